@@ -1,0 +1,1 @@
+"""The `corolla` command line: dht, serve, generate, chat, status, demo."""

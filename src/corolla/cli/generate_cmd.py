@@ -1,0 +1,64 @@
+"""`corolla generate MODEL "prompt"` and `corolla chat MODEL`: use a running swarm from the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def add_client_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="HF repo id or local directory of the checkpoint (only its head is loaded)")
+    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers of the swarm")
+    p.add_argument("--dht-prefix", default=None, help="DHT namespace of the model (default: its name)")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's, else 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: the model's, else 50)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's, else 1.0)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="penalty for repeated tokens (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate text from a prompt through the swarm",
+                              description="Generate a continuation of PROMPT through a running swarm, streamed to stdout.")
+    add_client_arguments(p)
+    p.add_argument("prompt", help="the text to continue")
+    p.set_defaults(func=run)
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    kwargs: dict[str, object] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
+    for name in ("temperature", "top_k", "top_p", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    return kwargs
+
+
+def load_client(args: argparse.Namespace):
+    import torch
+    from transformers import AutoTokenizer
+
+    from corolla import AutoDistributedModelForCausalLM
+
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix)
+    return tokenizer, model
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    tokenizer, model = load_client(args)
+    try:
+        input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+        streamer = TextStreamer(tokenizer, skip_special_tokens=True)
+        model.generate(input_ids, streamer=streamer, **sampling_kwargs(args))
+        sys.stdout.flush()
+    finally:
+        model.shutdown()
+    return 0

@@ -1,0 +1,143 @@
+"""Start and stop a swarm of local processes (a DHT peer and servers) on 127.0.0.1.
+
+Used by `corolla demo`, the benchmarks and the test fixtures. Every process starts in its own process group
+(its p2pd child included), and `close()` ends each group: SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import IO, Sequence
+
+logger = logging.getLogger(__name__)
+
+READY_LINE = "serving blocks"
+
+
+@dataclass
+class LocalProcess:
+    name: str
+    popen: subprocess.Popen[str]
+    log: deque[str] = field(default_factory=lambda: deque(maxlen=400))
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(list(self.log)[-lines:])
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class LocalSwarm:
+    """A DHT bootstrap peer plus any number of servers, each a `corolla` subprocess."""
+
+    def __init__(self, python: str = sys.executable, env: dict[str, str] | None = None, log_file: IO[str] | None = None):
+        self.python = python
+        self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.log_file = log_file
+        self.processes: list[LocalProcess] = []
+        self.initial_peers: list[str] = []
+
+    def start_dht(self, timeout: float = 60.0) -> list[str]:
+        """Start `corolla dht` and return its multiaddrs (read from its stdout)."""
+        proc = self._spawn("dht", ["dht", "--host", "127.0.0.1"])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            maddrs = [line for line in list(proc.log) if line.startswith("/ip4/") and "/p2p/" in line]
+            if maddrs:
+                self.initial_peers = maddrs
+                return maddrs
+            if not proc.alive():
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"DHT peer did not start:\n{proc.tail()}")
+
+    def start_server(self, model: str, args: Sequence[str] = (), name: str | None = None, wait: bool = True, timeout: float = 180.0) -> LocalProcess:
+        """Start `corolla serve MODEL --initial-peers ... ARGS`; with wait, block until it logs 'serving blocks'."""
+        if not self.initial_peers:
+            raise RuntimeError("start_dht() first")
+        proc = self._spawn(name or f"server{len(self.processes)}", ["serve", model, "--initial-peers", *self.initial_peers, *args])
+        if wait:
+            self.wait_ready(proc, timeout)
+        return proc
+
+    def wait_ready(self, proc: LocalProcess, timeout: float = 180.0) -> None:
+        if not proc.ready.wait(timeout):
+            raise RuntimeError(f"{proc.name} did not become ready in {timeout:.0f}s:\n{proc.tail()}")
+
+    def kill(self, proc: LocalProcess, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the process's whole group (SIGKILL: an abrupt failure, p2pd included)."""
+        proc.signal_group(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            try:
+                proc.popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.signal_group(signal.SIGKILL)
+                proc.popen.wait(timeout=10)
+
+    def close(self, grace: float = 10.0) -> None:
+        """End every process group this swarm started: SIGTERM, then SIGKILL after `grace` seconds."""
+        for proc in reversed(self.processes):
+            if proc.alive():
+                proc.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in reversed(self.processes):
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            proc.signal_group(signal.SIGKILL)  # stragglers of the group (p2pd) even when the leader exited
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                logger.warning("process %s (pid %d) did not exit", proc.name, proc.pid)
+        self.processes.clear()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(self, name: str, argv: list[str]) -> LocalProcess:
+        popen = subprocess.Popen(
+            [self.python, "-m", "corolla.cli.main", *argv],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            text=True, env=self.env, start_new_session=True,
+        )
+        proc = LocalProcess(name, popen)
+        self.processes.append(proc)
+        threading.Thread(target=self._pump, args=(proc,), name=f"log-{name}", daemon=True).start()
+        return proc
+
+    def _pump(self, proc: LocalProcess) -> None:
+        assert proc.popen.stdout is not None
+        for line in proc.popen.stdout:
+            line = line.rstrip("\n")
+            proc.log.append(line)
+            if self.log_file is not None:
+                try:
+                    self.log_file.write(f"[{proc.name}] {line}\n")
+                    self.log_file.flush()
+                except ValueError:  # log file closed
+                    pass
+            if READY_LINE in line:
+                proc.ready.set()

@@ -1,0 +1,1 @@
+"""The client: holds embeddings and the LM head, routes hidden states through the swarm's servers."""

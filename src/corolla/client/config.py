@@ -1,0 +1,20 @@
+"""ClientConfig: how a client finds servers, waits for them and recovers from their failures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    initial_peers: tuple[str, ...] = ()  # multiaddrs of DHT peers (/ip4/HOST/tcp/PORT/p2p/PEERID)
+    dht_prefix: str | None = None  # DHT namespace of the model (default: the model's name)
+    connect_timeout: float = 10.0  # seconds to open a stream and get a session opened
+    request_timeout: float = 60.0  # seconds one step or forward may take before the server is abandoned
+    alloc_timeout: float = 10.0  # seconds a server may keep us in its cache-allocation queue
+    update_period: float = 30.0  # seconds between refreshes of the swarm's server list
+    max_retries: int = 5  # attempts of one step or forward across failing servers before giving up
+    min_backoff: float = 0.5  # seconds a failing peer is first banned for; doubles on each further failure
+    max_backoff: float = 60.0  # cap on a peer's ban, seconds
+    missing_blocks_wait: float = 5.0  # seconds to wait for servers of uncovered blocks before MissingBlocks
+    hop_cost: float = 0.002  # routing: seconds of overhead charged per server hop

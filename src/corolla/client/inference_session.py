@@ -1,0 +1,218 @@
+"""InferenceSession: one stream per server span, KV caches kept on the servers between steps.
+
+Each span remembers every input it was sent (its history). When a server fails, the client routes a replacement
+for exactly that span's blocks (possibly several smaller servers), replays the history to rebuild their caches,
+and continues the same step: the failure is invisible to the caller.
+
+    client ──x──> span 0 [0:3) ──h──> span 1 [3:6) ──h──> head
+                   history0: inputs at block 0   history1: inputs at block 3
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from corolla.client.config import ClientConfig
+from corolla.client.connection import Connection
+from corolla.client.event_loop import run_sync
+from corolla.client.routing import Span
+from corolla.client.sequence_manager import SequenceManager
+from corolla.protocol import PROTOCOL_VERSION
+from corolla.protocol.errors import PeerUnavailable, ProtocolError, RemoteError, SessionExpired
+from corolla.protocol.messages import (
+    BlockRange,
+    CloseSession,
+    ErrorCode,
+    InferenceStep,
+    OpenSession,
+    SessionOpened,
+    StepResult,
+)
+
+logger = logging.getLogger(__name__)
+
+# Server errors that a different server may not have; anything else (bad_request, session_full) is the caller's.
+RETRYABLE_CODES = {ErrorCode.TIMEOUT.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.INTERNAL.value, ErrorCode.SERVER_FULL.value}
+
+
+def is_retryable(error: Exception) -> bool:
+    return isinstance(error, PeerUnavailable) or (isinstance(error, RemoteError) and error.code in RETRYABLE_CODES)
+
+
+class _SpanSession:
+    """The stream to one server for blocks [span.start, span.end), with the inputs it has been sent."""
+
+    def __init__(self, span: Span, connection: Connection):
+        self.span = span
+        self.connection = connection
+        self.history: torch.Tensor | None = None  # (B, tokens, H): inputs at positions [0, tokens)
+        self.step_id = 0
+
+    @classmethod
+    async def open(cls, manager: SequenceManager, span: Span, max_length: int, batch_size: int, config: ClientConfig) -> _SpanSession:
+        connection = await Connection.open(manager.node.p2p, span.peer_id, "inference", config.connect_timeout)
+        try:
+            await connection.send(
+                OpenSession(
+                    protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
+                    max_length=max_length, batch_size=batch_size, alloc_timeout=config.alloc_timeout,
+                )
+            )
+            reply, _ = await connection.receive(config.connect_timeout + config.alloc_timeout)
+            if not isinstance(reply, SessionOpened):
+                raise PeerUnavailable(f"server {span.peer_id} answered open_session with {reply.kind}")
+        except BaseException:
+            connection.close()
+            raise
+        return cls(span, connection)
+
+    async def step(self, hidden: torch.Tensor, position: int, timeout: float) -> torch.Tensor:
+        """Send hidden (B, T, H) at `position`; returns the span's output (B, T, H) and records the input."""
+        self.step_id += 1
+        await self.connection.send(InferenceStep(step_id=self.step_id, position=position), [hidden])
+        reply, tensors = await self.connection.receive(timeout)
+        if not isinstance(reply, StepResult) or reply.step_id != self.step_id or len(tensors) != 1:
+            raise PeerUnavailable(f"server {self.span.peer_id} answered step {self.step_id} with {reply.kind}")
+        output = tensors[0]
+        if output.shape != hidden.shape:
+            raise PeerUnavailable(f"server {self.span.peer_id} returned shape {tuple(output.shape)} for {tuple(hidden.shape)}")
+        kept = self.history[:, :position] if self.history is not None else None
+        self.history = hidden if kept is None or kept.shape[1] == 0 else torch.cat([kept, hidden], dim=1)
+        return output
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.connection.send(CloseSession()), 1.0)
+        except (PeerUnavailable, asyncio.TimeoutError):
+            pass
+        self.connection.close()
+
+
+class InferenceSession:
+    """A generation session over blocks [0, num_blocks): `step(hidden)` runs new tokens through every server.
+
+    Use as a context manager; closing frees every server's cache. `position` is the number of tokens the servers
+    hold; assigning a smaller value rolls the session back (the next step overwrites from there).
+    """
+
+    def __init__(self, manager: SequenceManager, max_length: int, batch_size: int = 1, *, start: int = 0, end: int | None = None):
+        if max_length <= 0:
+            raise ValueError("max_length must be positive")
+        self.manager = manager
+        self.config = manager.config
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.start = start
+        self.end = manager.num_blocks if end is None else end
+        self._spans: list[_SpanSession] | None = None
+        self._position = 0
+        self.closed = False
+        self.output_ids: torch.Tensor | None = None  # every token id this session has seen or produced (set by generate)
+
+    # ------------------------------------------------------------------ public, synchronous
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        if not 0 <= value <= self._position:
+            raise ValueError(f"can only roll a session back: position {value} is not within [0, {self._position}]")
+        self._position = value
+
+    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Run hidden (batch_size, T, H) for positions [position, position + T); returns the last block's output."""
+        if self.closed:
+            raise SessionExpired("this inference session is closed")
+        if hidden.ndim != 3 or hidden.shape[0] != self.batch_size:
+            raise ValueError(f"expected hidden states of shape ({self.batch_size}, T, hidden), got {tuple(hidden.shape)}")
+        if self._position + hidden.shape[1] > self.max_length:
+            raise ValueError(
+                f"the session's max_length={self.max_length} is too short: it holds {self._position} tokens "
+                f"and was given {hidden.shape[1]} more; open the session with a larger max_length"
+            )
+        output = run_sync(self._step(hidden))
+        self._position += hidden.shape[1]
+        return output
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self._spans:
+                run_sync(self._close_spans(self._spans))
+            self._spans = None
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True) and getattr(self, "_spans", None):
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown: the servers time the session out
+                pass
+
+    # ------------------------------------------------------------------ event-loop side
+    async def _step(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._spans is None:
+            self._spans = await self._open_chain(self.start, self.end, history=None)
+        x = hidden
+        index = 0
+        failures = 0
+        while index < len(self._spans):
+            span = self._spans[index]
+            try:
+                x_out = await span.step(x, self._position, self.config.request_timeout)
+                self.manager.forgive(span.span.peer_id)
+                x = x_out
+                index += 1
+            except (PeerUnavailable, RemoteError) as e:
+                if not is_retryable(e):
+                    raise
+                failures += 1
+                if failures > self.config.max_retries:
+                    raise PeerUnavailable(f"step failed after {failures} attempts: {e}") from e
+                logger.warning("server %s failed (%s); replacing blocks %d:%d", span.span.peer_id, e, span.span.start, span.span.end)
+                self.manager.ban(span.span.peer_id)
+                await span.close()
+                await asyncio.sleep(min(self.config.min_backoff * (failures - 1), 5.0))
+                await self.manager.update(force=True)
+                history = span.history[:, : self._position] if span.history is not None else None
+                try:
+                    replacement = await self._open_chain(span.span.start, span.span.end, history=history)
+                except (PeerUnavailable, RemoteError) as open_error:
+                    if not is_retryable(open_error):
+                        raise
+                    logger.warning("replacement failed: %s", open_error)
+                    continue  # try again with the failed peer banned
+                self._spans[index : index + 1] = replacement
+        return x
+
+    async def _open_chain(self, start: int, end: int, history: torch.Tensor | None) -> list[_SpanSession]:
+        """Open sessions on a fresh route over [start, end) and replay `history` (inputs at block `start`) into them."""
+        route = await self.manager.make_route(start, end, cache_tokens_needed=self.batch_size * self.max_length)
+        opened: list[_SpanSession] = []
+        try:
+            x = history
+            for span in route:
+                session = await _SpanSession.open(self.manager, span, self.max_length, self.batch_size, self.config)
+                opened.append(session)
+                if x is not None and x.shape[1] > 0:
+                    x = await session.step(x, 0, self.config.request_timeout)
+        except BaseException:
+            await self._close_spans(opened)
+            raise
+        logger.debug("session route %d:%d -> %s", start, end, [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened])
+        return opened
+
+    @staticmethod
+    async def _close_spans(spans: Sequence[_SpanSession]) -> None:
+        await asyncio.gather(*(s.close() for s in spans), return_exceptions=True)

@@ -1,0 +1,179 @@
+"""The distributed causal LM: local embeddings / final norm / LM head, remote transformer blocks."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, PretrainedConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from corolla.checkpoint import load_config, load_tensors
+from corolla.client.config import ClientConfig
+from corolla.client.event_loop import run_sync
+from corolla.client.generation import generate as _generate
+from corolla.client.inference_session import InferenceSession
+from corolla.client.remote_sequential import RemoteSequential
+from corolla.client.sequence_manager import SequenceManager
+from corolla.dht import SwarmNode, create_swarm_node, model_dht_prefix
+from corolla.models import get_family
+
+logger = logging.getLogger(__name__)
+
+_live_nodes: "weakref.WeakSet[SwarmNode]" = weakref.WeakSet()
+_atexit_lock = threading.Lock()
+
+
+class DistributedModelForCausalLM(nn.Module):
+    """A causal LM whose blocks run in the swarm. Call it like an HF model; `generate` takes HF arguments."""
+
+    def __init__(self, config: PretrainedConfig, head: nn.Module, transformer: RemoteSequential, node: SwarmNode,
+                 generation_config: GenerationConfig, name_or_path: str):
+        super().__init__()
+        self.config = config
+        self.head = head
+        self.transformer = transformer
+        self.generation_config = generation_config
+        self.name_or_path = name_or_path
+        self._node = node
+        self._active_session: InferenceSession | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.head.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.head.parameters()).device
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> CausalLMOutputWithPast:
+        """Full forward through the swarm (no cache): logits (B, T, vocab)."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise NotImplementedError("padded batches (attention_mask with zeros) are not supported yet")
+        hidden = self.head.embed(input_ids.to(self.device))  # (B, T, H)
+        hidden = self.transformer(hidden).to(hidden.dtype)
+        return CausalLMOutputWithPast(logits=self.head.logits(hidden))
+
+    @contextmanager
+    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
+        """Open a KV-cached session on the servers; `generate` inside the block uses it unless given another."""
+        session = self.transformer.inference_session(max_length, batch_size)
+        previous, self._active_session = self._active_session, session
+        try:
+            yield session
+        finally:
+            self._active_session = previous
+            session.close()
+
+    def generate(self, input_ids: torch.LongTensor | None = None, **kwargs) -> torch.LongTensor:
+        """HF-style generation; see corolla.client.generation.generate for the arguments."""
+        if kwargs.get("session") is None and self._active_session is not None:
+            kwargs["session"] = self._active_session
+        return _generate(self, input_ids, **kwargs)
+
+    def shutdown(self) -> None:
+        """Stop this model's DHT node and p2pd (also done at interpreter exit)."""
+        node = self._node
+        if node is not None:
+            self._node = None
+            _live_nodes.discard(node)
+            run_sync(node.shutdown(), timeout=10)
+
+
+class AutoDistributedModelForCausalLM:
+    """Entry point: `AutoDistributedModelForCausalLM.from_pretrained(model, initial_peers=[...])`."""
+
+    @staticmethod
+    def from_pretrained(
+        model_name_or_path: str,
+        initial_peers: Sequence[str] | None = None,
+        *,
+        torch_dtype: torch.dtype | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        dht_prefix: str | None = None,
+        client_config: ClientConfig | None = None,
+        cache_dir: str | None = None,
+        revision: str | None = None,
+        token: str | None = None,
+    ) -> DistributedModelForCausalLM:
+        """Load the client-side weights of a local directory or hub repo and connect to the swarm.
+
+        Only the embeddings, final norm and LM head are read from the checkpoint. `initial_peers` (or
+        client_config.initial_peers) must name at least one peer of the swarm.
+        """
+        config = client_config or ClientConfig()
+        if initial_peers is not None:
+            if isinstance(initial_peers, str):
+                initial_peers = [initial_peers]
+            config = replace(config, initial_peers=tuple(initial_peers))
+        if dht_prefix is not None:
+            config = replace(config, dht_prefix=dht_prefix)
+        if not config.initial_peers:
+            raise ValueError("initial_peers is required: the multiaddr of a DHT peer of the swarm (see `corolla dht`)")
+        model_dtype = _resolve_dtype(torch_dtype if torch_dtype is not None else dtype)
+
+        hf_config = load_config(model_name_or_path, cache_dir=cache_dir, revision=revision, token=token)
+        family = get_family(hf_config)
+        tensors = load_tensors(model_name_or_path, family.is_head_tensor, dtype=model_dtype, cache_dir=cache_dir, revision=revision, token=token)
+        default_dtype = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(model_dtype)
+            head = family.head_class(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        head.load_hf_state_dict(tensors)
+        head = head.to(model_dtype).eval().requires_grad_(False)
+        generation_config = _load_generation_config(model_name_or_path, hf_config, cache_dir, revision, token)
+
+        node = run_sync(create_swarm_node(config.initial_peers, client_mode=True))
+        _live_nodes.add(node)
+        _register_atexit()
+        prefix = config.dht_prefix or model_dht_prefix(model_name_or_path)
+        manager = SequenceManager(node, prefix, family.num_blocks(hf_config), config)
+        model = DistributedModelForCausalLM(hf_config, head, RemoteSequential(manager), node, generation_config, model_name_or_path)
+        logger.info("connected to the swarm for %s (dht prefix %s, %d blocks)", model_name_or_path, prefix, manager.num_blocks)
+        return model
+
+
+def _resolve_dtype(value: torch.dtype | str | None) -> torch.dtype:
+    if value is None or value == "auto":
+        return torch.float32
+    if isinstance(value, torch.dtype):
+        return value
+    resolved = getattr(torch, str(value), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {value!r}")
+    return resolved
+
+
+def _load_generation_config(model: str, config: PretrainedConfig, cache_dir, revision, token) -> GenerationConfig:
+    try:
+        return GenerationConfig.from_pretrained(model, cache_dir=cache_dir, revision=revision, token=token)
+    except (OSError, ValueError):
+        return GenerationConfig.from_model_config(config)
+
+
+_atexit_registered = False
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    with _atexit_lock:
+        if not _atexit_registered:
+            atexit.register(_shutdown_all_nodes)
+            _atexit_registered = True
+
+
+def _shutdown_all_nodes() -> None:
+    for node in list(_live_nodes):
+        try:
+            run_sync(node.shutdown(), timeout=5)
+        except Exception:  # best effort at interpreter exit
+            pass

@@ -1,0 +1,79 @@
+"""RemoteSequential: the model's transformer blocks as one torch module whose blocks live in the swarm."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+from torch import nn
+
+from corolla.client.connection import Connection
+from corolla.client.event_loop import run_sync
+from corolla.client.inference_session import InferenceSession, is_retryable
+from corolla.client.sequence_manager import SequenceManager
+from corolla.protocol import PROTOCOL_VERSION
+from corolla.protocol.errors import PeerUnavailable, RemoteError
+from corolla.protocol.messages import BlockRange, ForwardRequest, ForwardResult
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteSequential(nn.Module):
+    """Blocks [start, end) of a model, computed by the swarm.
+
+    forward(hidden) runs a cache-less pass (hidden: (B, T, H) -> (B, T, H)); inference_session() opens a
+    KV-cached session for step-by-step generation.
+    """
+
+    def __init__(self, manager: SequenceManager, start: int = 0, end: int | None = None):
+        super().__init__()
+        self.manager = manager
+        self.start = start
+        self.end = manager.num_blocks if end is None else end
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.ndim != 3:
+            raise ValueError(f"expected hidden states (batch, length, hidden), got shape {tuple(hidden.shape)}")
+        return run_sync(self._forward(hidden.detach()))
+
+    def inference_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
+        return InferenceSession(self.manager, max_length, batch_size, start=self.start, end=self.end)
+
+    async def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        config = self.manager.config
+        block, x, failures = self.start, hidden, 0
+        while block < self.end:
+            route = await self.manager.make_route(block, self.end)
+            for span in route:
+                try:
+                    x = await self._forward_span(span.peer_id, span.start, span.end, x)
+                    self.manager.forgive(span.peer_id)
+                    block = span.end
+                except (PeerUnavailable, RemoteError) as e:
+                    if not is_retryable(e):
+                        raise
+                    failures += 1
+                    if failures > config.max_retries:
+                        raise PeerUnavailable(f"forward failed after {failures} attempts: {e}") from e
+                    logger.warning("forward on %s failed (%s); re-routing from block %d", span.peer_id, e, block)
+                    self.manager.ban(span.peer_id)
+                    await asyncio.sleep(min(config.min_backoff * (failures - 1), 5.0))
+                    await self.manager.update(force=True)
+                    break
+        return x
+
+    async def _forward_span(self, peer_id: str, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
+        config = self.manager.config
+        connection = await Connection.open(self.manager.node.p2p, peer_id, "forward", config.connect_timeout)
+        try:
+            await connection.send(ForwardRequest(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=start, end=end)), [hidden])
+            reply, tensors = await connection.receive(config.request_timeout)
+        finally:
+            connection.close()
+        if not isinstance(reply, ForwardResult) or len(tensors) != 1 or tensors[0].shape != hidden.shape:
+            raise PeerUnavailable(f"server {peer_id} sent a malformed forward result")
+        return tensors[0]

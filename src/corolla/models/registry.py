@@ -1,0 +1,82 @@
+"""Which of our model families serves a given HF config.
+
+To add a family: implement its package (block, head, checkpoint naming) and append one ``ModelFamily``
+to ``FAMILIES`` below. Each HF ``model_type`` may belong to one family only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from corolla.models import llama
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedModelError(ValueError):
+    """The config's ``model_type`` has no family here; the message lists the supported ones."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Everything the server and client need to run one family's checkpoints."""
+
+    name: str  # family name, e.g. "llama"
+    model_types: tuple[str, ...]  # HF config.model_type values this family serves
+    block_class: type[nn.Module]  # block_class(config, layer_idx): one served transformer block
+    head_class: type[nn.Module]  # head_class(config): client-side embeddings, final norm, LM head
+    block_prefix: Callable[[int], str]  # block i's checkpoint-name prefix, e.g. "model.layers.3."
+    is_head_tensor: Callable[[str], bool]  # True for the checkpoint names the client loads
+    kv_layout: Callable[[PretrainedConfig], tuple[int, int]]  # (n_kv_heads, head_dim) of one block's cache
+    num_blocks: Callable[[PretrainedConfig], int]  # number of transformer blocks
+
+
+LLAMA = ModelFamily(
+    name="llama",
+    model_types=("llama", "mistral", "qwen2"),
+    block_class=llama.LlamaBlock,
+    head_class=llama.LlamaClientHead,
+    block_prefix=llama.block_prefix,
+    is_head_tensor=llama.is_head_tensor,
+    kv_layout=llama.kv_layout,
+    num_blocks=llama.num_blocks,
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA,)
+
+
+def _by_model_type(families: tuple[ModelFamily, ...]) -> dict[str, ModelFamily]:
+    """model_type -> family; a model_type claimed twice is a programming error."""
+    table: dict[str, ModelFamily] = {}
+    for family in families:
+        for model_type in family.model_types:
+            assert model_type not in table, f"model_type {model_type!r} registered twice"
+            table[model_type] = family
+    return table
+
+
+_BY_MODEL_TYPE: dict[str, ModelFamily] = _by_model_type(FAMILIES)
+
+
+def supported_model_types() -> tuple[str, ...]:
+    """All HF ``model_type`` values some family serves, sorted."""
+    return tuple(sorted(_BY_MODEL_TYPE))
+
+
+def get_family(config: PretrainedConfig) -> ModelFamily:
+    """The family serving ``config.model_type``.
+
+    Raises ``UnsupportedModelError`` (a ``ValueError``) naming the model_type and listing the supported ones.
+    """
+    model_type = getattr(config, "model_type", None) or ""
+    family = _BY_MODEL_TYPE.get(model_type)
+    if family is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported model types: {', '.join(supported_model_types())}"
+        )
+    return family

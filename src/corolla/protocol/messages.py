@@ -1,0 +1,165 @@
+"""Typed messages of every RPC and the DHT record a server announces.
+
+Each message carries a `kind` literal, so a frame's header decodes into exactly one model; unknown fields are
+rejected (`extra="forbid"`). Tensors travel beside the header (see protocol.framing), never inside it.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal, NewType
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+PeerIdStr = NewType("PeerIdStr", str)  # a libp2p peer id in base58, as hivemind prints it
+SessionId = NewType("SessionId", str)
+
+MAX_BATCH_SIZE = 1024
+MAX_SESSION_LENGTH = 1 << 20  # tokens; a sanity bound, the server's own limit is usually lower
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerState(str, Enum):
+    JOINING = "joining"  # loading weights, not serving yet
+    ONLINE = "online"
+    OFFLINE = "offline"  # shutting down; clients move their sessions elsewhere
+
+
+class ServerInfo(_Message):
+    """What a server announces in the DHT under every block it hosts (subkey: its peer id)."""
+
+    state: ServerState
+    start_block: int = Field(ge=0)
+    end_block: int = Field(gt=0)  # exclusive
+    throughput: float = Field(ge=0.0)  # tokens/s one block of this server processes, network included
+    cache_tokens_total: int = Field(ge=0)  # KV-cache budget, in tokens (batch rows x positions)
+    cache_tokens_free: int = Field(ge=0)
+    torch_dtype: str  # "float32", "bfloat16", ...
+    quant: str = "none"
+    version: str  # corolla version of the server
+    protocol_version: int
+    max_session_length: int = Field(gt=0)  # longest max_length this server accepts, in tokens
+
+    @model_validator(mode="after")
+    def _check_range(self) -> ServerInfo:
+        if self.end_block <= self.start_block:
+            raise ValueError(f"empty block range {self.start_block}:{self.end_block}")
+        return self
+
+
+class BlockRange(_Message):
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)  # exclusive
+
+    @model_validator(mode="after")
+    def _check(self) -> BlockRange:
+        if self.end <= self.start:
+            raise ValueError(f"empty block range {self.start}:{self.end}")
+        return self
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}"
+
+
+# ---------------------------------------------------------------- rpc_inference (one bidirectional stream)
+class OpenSession(_Message):
+    """First message of an rpc_inference stream: reserve KV cache for `batch_size` x `max_length` tokens."""
+
+    kind: Literal["open_session"] = "open_session"
+    protocol_version: int
+    blocks: BlockRange
+    max_length: int = Field(gt=0, le=MAX_SESSION_LENGTH)
+    batch_size: int = Field(default=1, gt=0, le=MAX_BATCH_SIZE)
+    alloc_timeout: float = Field(default=0.0, ge=0.0, le=3600.0)  # seconds to wait in the allocation queue
+
+
+class SessionOpened(_Message):
+    kind: Literal["session_opened"] = "session_opened"
+    session_id: str
+    max_length: int
+
+
+class InferenceStep(_Message):
+    """One step: one tensor `hidden` (batch_size, T, hidden_size) whose first token sits at `position`.
+
+    `position` may be smaller than the tokens the server already holds: the cache is then rolled back to it
+    (this is how a client rewinds or replays history).
+    """
+
+    kind: Literal["inference_step"] = "inference_step"
+    step_id: int = Field(ge=0)
+    position: int = Field(ge=0)
+
+
+class StepResult(_Message):
+    """Answer to an InferenceStep: one tensor, the hidden states after this server's blocks."""
+
+    kind: Literal["step_result"] = "step_result"
+    step_id: int
+    position: int  # tokens the session holds after the step
+
+
+class CloseSession(_Message):
+    kind: Literal["close_session"] = "close_session"
+
+
+# ---------------------------------------------------------------- rpc_forward / rpc_info
+class ForwardRequest(_Message):
+    """A full forward pass without cache over `blocks`; one tensor `hidden` (B, T, hidden_size)."""
+
+    kind: Literal["forward"] = "forward"
+    protocol_version: int
+    blocks: BlockRange
+
+
+class ForwardResult(_Message):
+    kind: Literal["forward_result"] = "forward_result"
+
+
+class InfoRequest(_Message):
+    kind: Literal["info"] = "info"
+
+
+class InfoReply(_Message):
+    kind: Literal["info_reply"] = "info_reply"
+    peer_id: str
+    info: ServerInfo
+    model: str
+    dht_prefix: str
+    hidden_size: int
+    active_sessions: int
+
+
+# ---------------------------------------------------------------- errors
+class ErrorCode(str, Enum):
+    BAD_REQUEST = "bad_request"  # malformed message, wrong shape/dtype, unknown blocks
+    SESSION_FULL = "session_full"  # past the session's max_length
+    SERVER_FULL = "server_full"  # no cache could be reserved within the allocation timeout
+    TIMEOUT = "timeout"  # session idle for too long, or a step took too long
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class ErrorReply(_Message):
+    kind: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+
+
+Message = Annotated[
+    OpenSession
+    | SessionOpened
+    | InferenceStep
+    | StepResult
+    | CloseSession
+    | ForwardRequest
+    | ForwardResult
+    | InfoRequest
+    | InfoReply
+    | ErrorReply,
+    Field(discriminator="kind"),
+]
+MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)

@@ -1,0 +1,86 @@
+"""The hosted blocks and the math of one request: a merged step through every block of a span.
+
+A session's KV cache is a list with one (keys, values) pair per hosted block, laid out as
+
+    keys[b], values[b]: (batch, n_kv_heads, max_length, head_dim)
+
+and written in place by each block at [position, position + T).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    n_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype, num_blocks: int) -> int:
+        """Keys and values of one token in every hosted block."""
+        return 2 * self.n_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size() * num_blocks
+
+
+class BlockStack:
+    """Blocks [start, end) of one model on one device; all methods are called from the compute thread."""
+
+    def __init__(
+        self,
+        blocks: list[nn.Module],
+        start: int,
+        hidden_size: int,
+        layout: KVLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_chunk_tokens: int = 2048,
+    ):
+        self.blocks = blocks
+        self.start = start
+        self.end = start + len(blocks)
+        self.hidden_size = hidden_size
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        self.max_chunk_tokens = max_chunk_tokens
+
+    def allocate_cache(self, batch_size: int, max_length: int, start: int, end: int) -> KVCache:
+        """Zeroed caches for blocks [start, end) of this stack."""
+        shape = (batch_size, self.layout.n_kv_heads, max_length, self.layout.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(start, end)
+        ]
+
+    @torch.inference_mode()
+    def inference_step(self, hidden: torch.Tensor, cache: KVCache, position: int, start: int, end: int) -> torch.Tensor:
+        """Run hidden (B, T, H) through blocks [start, end) with the session cache; returns (B, T, H).
+
+        Long prefills run in chunks of at most max_chunk_tokens (B x T) tokens so attention memory stays bounded.
+        """
+        x = hidden.to(self.device, self.dtype)
+        batch, length, _ = x.shape
+        chunk = max(1, self.max_chunk_tokens // batch)
+        outputs = []
+        for offset in range(0, length, chunk):
+            part = x[:, offset : offset + chunk]  # (B, t, H)
+            for index in range(start, end):
+                part = self.blocks[index - self.start](part, cache[index - start], position + offset)
+            outputs.append(part)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """A cache-less causal forward of hidden (B, T, H) through blocks [start, end)."""
+        x = hidden.to(self.device, self.dtype)
+        for index in range(start, end):
+            x = self.blocks[index - self.start](x, None, 0)
+        return x

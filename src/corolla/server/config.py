@@ -1,0 +1,46 @@
+"""ServerConfig: every knob of a server, with its default and unit. The CLI is generated from these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _opt(help: str, **kw: object) -> dict[str, object]:
+    return {"help": help, **kw}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = field(metadata=_opt("HF repo id or local directory of the checkpoint", positional=True))
+    initial_peers: tuple[str, ...] = field(
+        default=(), metadata=_opt("multiaddrs of DHT peers to join (/ip4/HOST/tcp/PORT/p2p/PEERID)", nargs="+")
+    )
+    new_swarm: bool = field(default=False, metadata=_opt("start a new swarm: this server is its own bootstrap peer"))
+    host: str = field(default="127.0.0.1", metadata=_opt("address to listen on"))
+    port: int = field(default=0, metadata=_opt("TCP port to listen on; 0 = chosen by the OS"))
+    blocks: str | None = field(default=None, metadata=_opt("serve exactly these blocks, 'A:B' (half-open)"))
+    num_blocks: int | None = field(
+        default=None, metadata=_opt("serve this many consecutive blocks, chosen where the swarm is weakest")
+    )
+    device: str = field(default="cpu", metadata=_opt("torch device for the blocks"))
+    dtype: str = field(default="float32", metadata=_opt("dtype of the blocks: float32, bfloat16, float16"))
+    quant: str = field(default="none", metadata=_opt("weight quantization", choices=("none", "int8", "nf4")))
+    dht_prefix: str | None = field(default=None, metadata=_opt("DHT namespace of the model (default: its name)"))
+    cache_tokens: int | None = field(
+        default=None, metadata=_opt("KV-cache budget in tokens over all sessions (default: sized from free memory)")
+    )
+    max_session_length: int = field(default=8192, metadata=_opt("longest max_length a session may reserve, tokens"))
+    max_alloc_timeout: float = field(default=60.0, metadata=_opt("cap on a client's cache-allocation wait, seconds"))
+    step_timeout: float = field(default=300.0, metadata=_opt("longest one inference step may compute, seconds"))
+    session_timeout: float = field(default=600.0, metadata=_opt("idle time after which a session is closed, seconds"))
+    announce_period: float = field(default=30.0, metadata=_opt("how often the DHT record is refreshed, seconds"))
+    expiration: float = field(default=90.0, metadata=_opt("lifetime of a DHT record, seconds"))
+    throughput: float | None = field(
+        default=None, metadata=_opt("announced throughput, tokens/s per block (default: measured and cached)")
+    )
+    max_chunk_tokens: int = field(
+        default=2048, metadata=_opt("prefills longer than this many tokens (x batch) run in chunks")
+    )
+    cache_dir: str | None = field(default=None, metadata=_opt("where hub downloads go (default ~/.cache/corolla)"))
+    max_disk_space: int | None = field(default=None, metadata=_opt("cap on the download cache, bytes"))
+    num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's choice)"))

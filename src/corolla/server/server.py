@@ -1,0 +1,223 @@
+"""The server process: load blocks, join the DHT, serve RPCs, announce, shut down cleanly.
+
+Lifecycle:  JOINING (record announced, weights loading) -> ONLINE ("serving blocks A:B") -> OFFLINE on stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import torch
+
+import corolla
+from corolla.checkpoint import load_config, load_tensors
+from corolla.dht import SwarmNode, create_swarm_node, fetch_block_servers, model_dht_prefix
+from corolla.models import get_family
+from corolla.protocol import PROTOCOL_VERSION
+from corolla.protocol.framing import DTYPES
+from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
+from corolla.server.announcer import Announcer
+from corolla.server.backend import BlockStack, KVLayout
+from corolla.server.block_selection import choose_best_blocks, parse_block_range
+from corolla.server.cache_allocator import CacheAllocator
+from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
+from corolla.server.config import ServerConfig
+from corolla.server.handler import ConnectionHandler
+from corolla.server.throughput import cached_throughput, measure_block_throughput
+
+logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_CACHE_TOKENS = 1 << 20
+
+
+class Server:
+    """One server; `await Server(config).run()` serves until `stop()` is called or the task is cancelled."""
+
+    def __init__(self, config: ServerConfig):
+        if config.quant != "none":
+            raise ValueError(f"--quant {config.quant} is not supported by this version yet; use --quant none")
+        if config.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {config.dtype!r}")
+        if not config.initial_peers and not config.new_swarm:
+            raise ValueError("give --initial-peers of a running swarm, or --new-swarm to start one")
+        self.config = config
+        self.dtype = DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        self.model_config = load_config(config.model, cache_dir=config.cache_dir)
+        self.family = get_family(self.model_config)
+        self.num_model_blocks = self.family.num_blocks(self.model_config)
+        self.prefix = config.dht_prefix or model_dht_prefix(config.model)
+        self.state = ServerState.JOINING
+        self.start_block = self.end_block = 0
+        self.throughput = 0.0
+        self.node: SwarmNode | None = None
+        self.stack: BlockStack | None = None
+        self.allocator: CacheAllocator | None = None
+        self.handler: ConnectionHandler | None = None
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------------ records
+    def server_info(self) -> ServerInfo:
+        budget = self.allocator.budget if self.allocator else None
+        return ServerInfo(
+            state=self.state,
+            start_block=self.start_block,
+            end_block=self.end_block,
+            throughput=self.throughput,
+            cache_tokens_total=budget.total if budget else 0,
+            cache_tokens_free=budget.free if budget else 0,
+            torch_dtype=self.config.dtype,
+            quant=self.config.quant,
+            version=corolla.__version__,
+            protocol_version=PROTOCOL_VERSION,
+            max_session_length=self.config.max_session_length,
+        )
+
+    def info_reply(self) -> InfoReply:
+        assert self.node is not None and self.handler is not None
+        return InfoReply(
+            peer_id=self.node.peer_id,
+            info=self.server_info(),
+            model=self.config.model,
+            dht_prefix=self.prefix,
+            hidden_size=self.model_config.hidden_size,
+            active_sessions=len(self.handler.sessions),
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self) -> None:
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        worker = ComputeWorker()
+        announcer_task: asyncio.Task[None] | None = None
+        announcer: Announcer | None = None
+        try:
+            self.node = await create_swarm_node(self.config.initial_peers, host=self.config.host, port=self.config.port)
+            maddrs = await self.node.maddrs()
+            if self.config.new_swarm:
+                logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(maddrs))
+            self.start_block, self.end_block = await self._choose_blocks()
+            announcer = Announcer(self.node.dht, self.prefix, self.node.peer_id, self.server_info, self.config.announce_period, self.config.expiration)
+            await announcer.announce()  # JOINING: others see the blocks are being taken
+            self.stack = await asyncio.get_running_loop().run_in_executor(None, self._load_blocks)
+            self.allocator = CacheAllocator(self._cache_tokens())
+            self.throughput = self.config.throughput or await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
+            self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply)
+            await self.handler.register(self.node.p2p)
+            self.state = ServerState.ONLINE
+            await announcer.announce()
+            logger.info(
+                "serving blocks %d:%d of %s as %s (dht prefix %s, cache %d tokens, %.1f tokens/s per block) at %s",
+                self.start_block, self.end_block, self.config.model, self.node.peer_id, self.prefix,
+                self.allocator.budget.total, self.throughput, " ".join(maddrs),
+            )
+            announcer_task = asyncio.create_task(announcer.run())
+            await self._stop.wait()
+        finally:
+            await self._shutdown(announcer, announcer_task, worker)
+
+    async def _shutdown(self, announcer: Announcer | None, announcer_task: asyncio.Task[None] | None, worker: ComputeWorker) -> None:
+        self.state = ServerState.OFFLINE
+        if announcer_task is not None:
+            announcer_task.cancel()
+        if self.handler is not None:
+            self.handler.shutting_down = True
+            for task in list(self.handler.sessions.values()):
+                task.cancel()
+        if announcer is not None:
+            try:
+                await asyncio.wait_for(announcer.announce(), 5.0)
+                logger.info("announced OFFLINE for blocks %d:%d", self.start_block, self.end_block)
+            except Exception as e:
+                logger.warning("could not announce OFFLINE: %s", e)
+        if self.node is not None:
+            await self.node.shutdown()
+        worker.shutdown()
+
+    # ------------------------------------------------------------------ setup steps
+    async def _choose_blocks(self) -> tuple[int, int]:
+        if self.config.blocks:
+            return parse_block_range(self.config.blocks, self.num_model_blocks)
+        num = self.config.num_blocks or self._default_num_blocks()
+        num = min(num, self.num_model_blocks)
+        assert self.node is not None
+        servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_model_blocks))
+        throughputs = [
+            sum(info.throughput for info in by_peer.values() if info.state != ServerState.OFFLINE) for by_peer in servers
+        ]
+        start, end = choose_best_blocks(num, throughputs)
+        logger.info("chose blocks %d:%d (swarm throughput per block: %s)", start, end, [round(t, 1) for t in throughputs])
+        return start, end
+
+    def _default_num_blocks(self) -> int:
+        """As many blocks as fit in half of the available memory (all of them for small models)."""
+        params_per_block = 12 * self.model_config.hidden_size**2  # rough: attention 4h^2 + MLP ~8h^2
+        bytes_per_block = params_per_block * torch.empty((), dtype=self.dtype).element_size()
+        return max(1, int(_available_memory() * 0.5 // bytes_per_block))
+
+    def _load_blocks(self) -> BlockStack:
+        begin = time.perf_counter()
+        prefixes = [self.family.block_prefix(i) for i in range(self.start_block, self.end_block)]
+        tensors = load_tensors(
+            self.config.model,
+            lambda name: name.startswith(tuple(prefixes)),
+            dtype=self.dtype,
+            cache_dir=self.config.cache_dir,
+            max_disk_space=self.config.max_disk_space,
+        )
+        blocks = []
+        default_dtype = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(self.dtype)
+            for index, prefix in zip(range(self.start_block, self.end_block), prefixes):
+                block = self.family.block_class(self.model_config, index)
+                block.load_hf_state_dict({name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)})
+                blocks.append(block.to(self.device, self.dtype).eval().requires_grad_(False))
+        finally:
+            torch.set_default_dtype(default_dtype)
+        n_kv_heads, head_dim = self.family.kv_layout(self.model_config)
+        logger.info("loaded blocks %d:%d in %.1fs", self.start_block, self.end_block, time.perf_counter() - begin)
+        return BlockStack(
+            blocks, self.start_block, self.model_config.hidden_size, KVLayout(n_kv_heads, head_dim),
+            self.dtype, self.device, self.config.max_chunk_tokens,
+        )
+
+    def _cache_tokens(self) -> int:
+        if self.config.cache_tokens is not None:
+            return self.config.cache_tokens
+        assert self.stack is not None
+        per_token = self.stack.layout.bytes_per_token(self.dtype, self.end_block - self.start_block)
+        return int(min(MAX_DEFAULT_CACHE_TOKENS, _available_memory() * 0.25 // per_token))
+
+    def _measure_throughput(self) -> float:
+        assert self.stack is not None
+        layout = self.stack.layout
+        key = {
+            "model_type": self.model_config.model_type, "hidden": self.model_config.hidden_size,
+            "intermediate": getattr(self.model_config, "intermediate_size", None), "kv": [layout.n_kv_heads, layout.head_dim],
+            "device": str(self.device), "dtype": self.config.dtype, "threads": torch.get_num_threads(),
+        }
+        return cached_throughput(
+            key,
+            lambda: measure_block_throughput(
+                self.stack.blocks[0], self.stack.hidden_size, layout.n_kv_heads, layout.head_dim, self.dtype, self.device
+            ),
+        )
+
+
+def _available_memory() -> int:
+    """Bytes of memory available to new allocations (MemAvailable on Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
