@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny random checkpoints written by the tests, and a real local swarm over them.
+
+The swarm fixture starts a real DHT peer and two `corolla serve` processes on 127.0.0.1 (OS-assigned ports),
+each in its own process group, and always ends those groups (p2pd included), even when a test fails.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from corolla.cli.local_swarm import LocalSwarm
+
+TINY_LLAMA = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+)
+SERVER_ARGS = ["--num-threads", "1", "--announce-period", "5", "--max-session-length", "1024"]
+
+
+def make_llama_checkpoint(directory: Path, seed: int = 0, **overrides: object) -> Path:
+    """Write a tiny random-weight Llama checkpoint (safetensors + config) and return its directory."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY_LLAMA, **overrides})
+    LlamaForCausalLM(config).eval().save_pretrained(directory)
+    return directory
+
+
+@dataclass
+class Swarm:
+    model_path: str
+    initial_peers: list[str]
+    local: LocalSwarm
+    server_peer_ids: list[str]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def llama_swarm(tiny_llama_path: str, tmp_path_factory: pytest.TempPathFactory):
+    """A DHT peer and two servers splitting the tiny Llama's 4 blocks as 0:2 and 2:4."""
+    log_path = tmp_path_factory.mktemp("logs") / "swarm.log"
+    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
+        peers = local.start_dht()
+        servers = [
+            local.start_server(tiny_llama_path, ["--blocks", "0:2", *SERVER_ARGS], name="server-a", wait=False),
+            local.start_server(tiny_llama_path, ["--blocks", "2:4", *SERVER_ARGS], name="server-b", wait=False),
+        ]
+        for proc in servers:
+            local.wait_ready(proc)
+        peer_ids = [_peer_id_from_log(proc.tail(200)) for proc in servers]
+        yield Swarm(tiny_llama_path, peers, local, peer_ids)
+
+
+def _peer_id_from_log(log: str) -> str:
+    for line in log.splitlines():
+        if "serving blocks" in line and " as " in line:
+            return line.split(" as ")[1].split()[0]
+    raise AssertionError(f"no peer id in server log:\n{log}")
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
+    """Poll `predicate` until it is true or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return bool(value)
+        time.sleep(interval)
