@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Sequence
 
 import torch
@@ -23,7 +22,7 @@ from corolla.client.event_loop import run_sync
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.errors import PeerUnavailable, ProtocolError, RemoteError, SessionExpired
+from corolla.protocol.errors import PeerUnavailable, RemoteError, SessionExpired
 from corolla.protocol.messages import (
     BlockRange,
     CloseSession,

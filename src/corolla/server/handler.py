@@ -27,9 +27,7 @@ from corolla.protocol.messages import (
     InferenceStep,
     InfoReply,
     InfoRequest,
-    Message,
     OpenSession,
-    ServerInfo,
     SessionOpened,
     StepResult,
 )
