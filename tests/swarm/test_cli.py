@@ -59,3 +59,10 @@ def test_serve_without_peers_or_new_swarm_is_a_clear_error(tiny_llama_path):
 def test_serve_with_an_unknown_block_range_is_a_clear_error(tiny_llama_path, llama_swarm):
     result = corolla("serve", tiny_llama_path, "--initial-peers", *llama_swarm.initial_peers, "--blocks", "2:9")
     assert result.returncode == 2 and "outside the model's 4 blocks" in result.stderr
+
+
+def test_demo_starts_a_swarm_generates_and_cleans_up():
+    result = corolla("demo", "--max-new-tokens", "8", "--greedy", "--prompt", "The server", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("The server") and len(result.stdout.split()) > 2
+    assert "serves blocks 0:3" in result.stderr and "serves blocks 3:6" in result.stderr
