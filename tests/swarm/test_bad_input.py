@@ -55,24 +55,25 @@ def open_raw(model, peer: str, verb: str = "inference") -> Connection:
     return run_sync(Connection.open(model._node.p2p, peer, verb, timeout=10))
 
 
-def open_session(model, peer: str, blocks=(0, 2), max_length: int = 8) -> Connection:
-    connection = open_raw(model, peer)
+def exchange(connection: Connection, message, tensors=()):
+    """Send one message on a raw stream and return the server's answer (ErrorReply raises RemoteError)."""
 
     async def go():
-        await connection.send(OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=blocks[0], end=blocks[1]), max_length=max_length))
+        await connection.send(message, tensors)
         return await connection.receive(10)
 
-    reply, _ = run_sync(go())
+    return run_sync(go())
+
+
+def open_session(model, peer: str, blocks=(0, 2), max_length: int = 8) -> Connection:
+    connection = open_raw(model, peer)
+    reply, _ = exchange(connection, OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=blocks[0], end=blocks[1]), max_length=max_length))
     assert isinstance(reply, SessionOpened)
     return connection
 
 
 def send_step(connection: Connection, hidden: torch.Tensor, position: int = 0):
-    async def go():
-        await connection.send(InferenceStep(step_id=1, position=position), [hidden])
-        return await connection.receive(10)
-
-    return run_sync(go())
+    return exchange(connection, InferenceStep(step_id=1, position=position), [hidden])
 
 
 def test_prompt_longer_than_max_length_fails_on_the_client_before_sending(clients):
@@ -111,28 +112,18 @@ def test_wrong_dtype_is_named_in_the_error(clients, llama_swarm):
 
 def test_unknown_block_range_is_refused(clients, llama_swarm):
     connection = open_raw(clients[0], llama_swarm.server_peer_ids[0])
-
-    async def go():
-        await connection.send(OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=1, end=4), max_length=8))
-        return await connection.receive(10)
-
     try:
         with pytest.raises(RemoteError, match=r"blocks 1:4 are not served here.*0:2"):
-            run_sync(go())
+            exchange(connection, OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=1, end=4), max_length=8))
     finally:
         connection.close()
 
 
 def test_forward_with_unknown_blocks_is_refused(clients, llama_swarm):
     connection = open_raw(clients[0], llama_swarm.server_peer_ids[1], verb="forward")
-
-    async def go():
-        await connection.send(ForwardRequest(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=0, end=3)), [torch.zeros(1, 2, 64)])
-        return await connection.receive(10)
-
     try:
         with pytest.raises(RemoteError, match="not served here"):
-            run_sync(go())
+            exchange(connection, ForwardRequest(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=0, end=3)), [torch.zeros(1, 2, 64)])
     finally:
         connection.close()
 
