@@ -11,16 +11,29 @@ import functools
 import pytest
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from corolla.models import ModelFamily, UnsupportedModelError, get_family
-from corolla.models.llama import LlamaBlock, LlamaClientHead, compute_inv_freq, kv_layout
+from corolla.models.llama import (
+    LlamaBlock,
+    LlamaClientHead,
+    compute_inv_freq,
+    kv_layout,
+)
 
 ATOL = 1e-5
 VOCAB = 128
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
-    "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+    "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
 }
 
 # case id -> (model_type, config overrides)
@@ -31,6 +44,9 @@ CASES: dict[str, tuple[str, dict]] = {
     "mistral-window4": ("mistral", {"sliding_window": 4}),
     "qwen2": ("qwen2", {}),
     "qwen2-window4-from-layer1": ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    "qwen3": ("qwen3", {}),
+    "qwen3-biases-head_dim32": ("qwen3", {"attention_bias": True, "head_dim": 32}),
+    "qwen3-window4-from-layer1": ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     "rope-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
     "rope-dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
     "rope-llama3": ("llama", {"rope_parameters": {
@@ -42,11 +58,13 @@ CASES: dict[str, tuple[str, dict]] = {
 
 
 def make_config(model_type: str, **overrides: object) -> PretrainedConfig:
-    """A 3-layer GQA config (4 query heads, 2 kv heads, hidden 64, vocab 128)."""
-    base: dict[str, object] = dict(
-        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=3, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-6,
-    )
+    """A 3-layer GQA config (4 query heads, 2 kv heads, hidden 64, head_dim 16, vocab 128)."""
+    base: dict[str, object] = {
+        "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 3, "vocab_size": VOCAB, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+    }
+    if model_type == "qwen3":
+        base["head_dim"] = 16  # Qwen3Config defaults head_dim to 128 instead of hidden_size / num_attention_heads
     return CONFIG_CLASSES[model_type](**{**base, **overrides})
 
 
@@ -79,7 +97,7 @@ def load_ours(model: torch.nn.Module) -> tuple[list[LlamaBlock], LlamaClientHead
     return blocks, head.eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def case(case_id: str) -> tuple[torch.nn.Module, list[LlamaBlock], LlamaClientHead]:
     model_type, overrides = CASES[case_id]
     model = make_reference(make_config(model_type, **overrides))
@@ -140,7 +158,7 @@ def test_block_decode_steps_match_full_sequence(case_id: str) -> None:
         torch.testing.assert_close(got, expected[:, start:end], atol=ATOL, rtol=0, msg=f"tokens [{start}, {end})")
 
 
-@pytest.mark.parametrize("case_id", ["llama", "mistral-window4", "rope-yarn"])
+@pytest.mark.parametrize("case_id", ["llama", "mistral-window4", "rope-yarn", "qwen3"])
 @torch.no_grad()
 def test_block_without_cache_starts_rotary_at_given_position(case_id: str) -> None:
     model, blocks, head = case(case_id)
@@ -193,9 +211,10 @@ def test_rope_inverse_frequencies_equal_hf_bit_for_bit(variant: str, seq_len: in
     assert scaling == hf_scaling
 
 
+@pytest.mark.parametrize("case_id", ["qwen2", "qwen3"])
 @torch.no_grad()
-def test_block_runs_in_bfloat16_close_to_hf_bfloat16() -> None:
-    model, _, _ = case("qwen2")
+def test_block_runs_in_bfloat16_close_to_hf_bfloat16(case_id: str) -> None:
+    model, _, _ = case(case_id)
     model_bf16 = make_reference(model.config).to(torch.bfloat16)
     blocks, head = load_ours(model_bf16)
     blocks, head = [b.to(torch.bfloat16) for b in blocks], head.to(torch.bfloat16)
@@ -245,6 +264,15 @@ def test_block_load_names_missing_and_unexpected_keys() -> None:
         LlamaBlock(model.config, 0).load_hf_state_dict(state)
 
 
+def test_qwen3_block_requires_its_query_and_key_norms() -> None:
+    model, blocks, _ = case("qwen3")
+    state = {k[len("model.layers.0."):]: v for k, v in model.state_dict().items() if k.startswith("model.layers.0.")}
+    assert {"self_attn.q_norm.weight", "self_attn.k_norm.weight"} <= set(blocks[0].state_dict())
+    state.pop("self_attn.k_norm.weight")
+    with pytest.raises(ValueError, match=r"missing keys \['self_attn.k_norm.weight'\], unexpected keys \[\]"):
+        LlamaBlock(model.config, 0).load_hf_state_dict(state)
+
+
 def test_block_rejects_a_cache_too_short_for_the_positions() -> None:
     _, blocks, _ = case("llama")
     k_cache, v_cache = make_cache(blocks[0].self_attn.rotary.config, batch=1, s_max=8)[0]
@@ -252,8 +280,8 @@ def test_block_rejects_a_cache_too_short_for_the_positions() -> None:
         blocks[0](torch.zeros(1, 3, 64), (k_cache, v_cache), position=6)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
-def test_get_family_serves_llama_mistral_and_qwen2(model_type: str) -> None:
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_get_family_serves_llama_mistral_qwen2_and_qwen3(model_type: str) -> None:
     config = make_config(model_type)
     family = get_family(config)
     assert isinstance(family, ModelFamily) and family.name == "llama"
@@ -270,6 +298,8 @@ def test_kv_layout_uses_config_head_dim_when_set() -> None:
 def test_get_family_rejects_gpt2_and_lists_supported_types() -> None:
     from transformers import GPT2Config
 
-    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*llama, mistral, qwen2") as info:
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supported model types: ") as info:
         get_family(GPT2Config())
     assert isinstance(info.value, ValueError)
+    listed = str(info.value).split("supported model types: ")[1].split(", ")
+    assert {"llama", "mistral", "qwen2", "qwen3"} <= set(listed) and listed == sorted(listed)

@@ -72,7 +72,7 @@ def _read_layout(source: CheckpointSource) -> _Layout:
 
 
 def _select(layout: _Layout, wanted: Wanted) -> dict[str, set[str] | None]:
-    """Weight file -> the wanted tensor names it holds (None: a single file, filtered while reading).
+    """Weight file -> the wanted tensor names (as stored) it holds (None: a single file, filtered while reading).
 
     Files are in sorted order; files holding no wanted tensor are absent.
     """
@@ -119,6 +119,7 @@ def load_tensors(
     token: str | None = None,
     max_disk_space: int | None = None,
     hub: HubFiles | None = None,
+    rename: Callable[[str], str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Loads only the tensors whose checkpoint names satisfy `wanted`, as CPU tensors.
 
@@ -127,6 +128,8 @@ def load_tensors(
     `cache_dir` (default ``$COROLLA_CACHE`` or ``~/.cache/corolla``); `max_disk_space` (bytes)
     caps corolla's files there, evicting the least recently used ones that this load does not
     need. Floating-point tensors are cast to `dtype` when given; integer tensors keep theirs.
+    `rename` maps each stored name to the name `wanted` sees and the result is keyed by (a family's
+    canonical naming, e.g. BLOOM checkpoints saved with or without the ``transformer.`` prefix).
     The returned tensors own their memory (nothing stays memory-mapped). `hub` substitutes the
     hub client (tests); leave it None.
 
@@ -138,6 +141,9 @@ def load_tensors(
     source = CheckpointSource(
         model, cache_dir=cache_dir, revision=revision, token=token, max_disk_space=max_disk_space, hub=hub
     )
+    if rename is not None:
+        wanted_canonical = wanted
+        wanted = lambda name: wanted_canonical(rename(name))  # noqa: E731
     layout = _read_layout(source)
     selection = _select(layout, wanted)
     if not selection:
@@ -166,6 +172,11 @@ def load_tensors(
     if not tensors:
         raise ValueError(f"no tensor of {source} matches `wanted` (checked every name in {layout.single_file})")
     logger.info("checkpoint.loaded source=%s tensors=%d files=%d", source, len(tensors), len(selection))
+    if rename is not None:
+        renamed = {rename(name): tensor for name, tensor in tensors.items()}
+        if len(renamed) != len(tensors):
+            raise ValueError(f"{source} stores some tensors under two names that mean the same tensor")
+        return renamed
     return tensors
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import PretrainedConfig
 
-from corolla.models import llama
+from corolla.models import bloom, falcon, llama, mixtral
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +34,13 @@ class ModelFamily:
     is_head_tensor: Callable[[str], bool]  # True for the checkpoint names the client loads
     kv_layout: Callable[[PretrainedConfig], tuple[int, int]]  # (n_kv_heads, head_dim) of one block's cache
     num_blocks: Callable[[PretrainedConfig], int]  # number of transformer blocks
+    # stored checkpoint name -> the name block_prefix/is_head_tensor use (checkpoints of one family may differ)
+    canonical_name: Callable[[str], str] = lambda name: name
 
 
 LLAMA = ModelFamily(
     name="llama",
-    model_types=("llama", "mistral", "qwen2"),
+    model_types=("llama", "mistral", "qwen2", "qwen3"),
     block_class=llama.LlamaBlock,
     head_class=llama.LlamaClientHead,
     block_prefix=llama.block_prefix,
@@ -47,7 +49,41 @@ LLAMA = ModelFamily(
     num_blocks=llama.num_blocks,
 )
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA,)
+BLOOM = ModelFamily(
+    name="bloom",
+    model_types=("bloom",),
+    block_class=bloom.BloomBlock,
+    head_class=bloom.BloomClientHead,
+    block_prefix=bloom.block_prefix,
+    is_head_tensor=bloom.is_head_tensor,
+    kv_layout=bloom.kv_layout,
+    num_blocks=bloom.num_blocks,
+    canonical_name=bloom.canonical_name,  # hub checkpoints omit the "transformer." prefix
+)
+
+FALCON = ModelFamily(
+    name="falcon",
+    model_types=("falcon",),
+    block_class=falcon.FalconBlock,
+    head_class=falcon.FalconClientHead,
+    block_prefix=falcon.block_prefix,
+    is_head_tensor=falcon.is_head_tensor,
+    kv_layout=falcon.kv_layout,
+    num_blocks=falcon.num_blocks,
+)
+
+MIXTRAL = ModelFamily(
+    name="mixtral",
+    model_types=("mixtral",),
+    block_class=mixtral.MixtralBlock,
+    head_class=llama.LlamaClientHead,  # embeddings, final norm and LM head are exactly Llama's
+    block_prefix=mixtral.block_prefix,
+    is_head_tensor=mixtral.is_head_tensor,
+    kv_layout=mixtral.kv_layout,
+    num_blocks=mixtral.num_blocks,
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, BLOOM, FALCON, MIXTRAL)
 
 
 def _by_model_type(families: tuple[ModelFamily, ...]) -> dict[str, ModelFamily]:

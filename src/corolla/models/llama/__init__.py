@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2): our own block, client head and checkpoint naming."""
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3): our own block, client head and checkpoint naming."""
 
 from corolla.models.llama.block import LlamaBlock, block_prefix, kv_layout, num_blocks, sliding_window_of
 from corolla.models.llama.head import LlamaClientHead, is_head_tensor

@@ -1,13 +1,14 @@
-"""One Llama-family transformer block (Llama, Mistral, Qwen2), served by corolla servers.
+"""One Llama-family transformer block (Llama, Mistral, Qwen2, Qwen3), served by corolla servers.
 
     x ──► RMSNorm ──► attention (GQA, rotary, KV cache) ──► + ──► RMSNorm ──► SwiGLU MLP ──► + ──► out
     └──────────────────── residual ────────────────────────┘└────────────── residual ───────┘
 
 The family differences, all read from the HF config:
 - projection biases: Llama uses ``attention_bias`` for q/k/v/o and ``mlp_bias`` for the MLP; Qwen2 always
-  has q/k/v biases and no o bias; Mistral has none;
-- sliding-window attention (Mistral's ``sliding_window``; Qwen2's on the layers ``layer_types`` marks
-  ``sliding_attention``): query at absolute position p sees keys k with ``p - window < k <= p``, as HF masks it.
+  has q/k/v biases and no o bias; Mistral has none; Qwen3 uses ``attention_bias`` for q/k/v/o;
+- Qwen3's per-head RMSNorm on queries and keys (``self_attn.q_norm``/``k_norm``, over head_dim, before rotary);
+- sliding-window attention (Mistral's ``sliding_window``; Qwen2's and Qwen3's on the layers ``layer_types``
+  marks ``sliding_attention``): query at absolute position p sees keys k with ``p - window < k <= p``, as HF masks it.
   The cache still holds every position; older keys are only masked out.
 
 Submodule names equal the HF decoder layer's, so a checkpoint's tensors load under their own names
@@ -57,7 +58,7 @@ def kv_layout(config: PretrainedConfig) -> tuple[int, int]:
 def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
     """The attention window of layer ``layer_idx`` in tokens, or ``None`` for full causal attention.
 
-    Mistral applies ``config.sliding_window`` to every layer; Qwen2 (whose config already sets
+    Mistral applies ``config.sliding_window`` to every layer; Qwen2 and Qwen3 (whose configs already set
     ``sliding_window=None`` unless ``use_sliding_window``) only to layers whose ``layer_types`` entry
     is ``"sliding_attention"``; Llama never uses one.
     """
@@ -105,6 +106,12 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=o_bias)
+        # Qwen3 normalizes each query and key head over head_dim (one weight shared by all heads).
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, float(config.rms_norm_eps))
+            self.k_norm = RMSNorm(self.head_dim, float(config.rms_norm_eps))
         self.rotary = RotaryEmbedding(config)
 
     def _check_cache(self, kv: tuple[Tensor, Tensor], x: Tensor, position: int) -> None:
@@ -141,6 +148,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head over the last dim, shapes unchanged
         cos, sin = self.rotary(position, T, dtype=x.dtype, device=x.device)  # each (T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
