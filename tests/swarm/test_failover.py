@@ -1,61 +1,150 @@
-"""A server killed mid-generation, with a replica of its blocks alive, changes nothing in the greedy output."""
+"""Sessions survive server failures: every way a server can fail mid-generation, with and without a replica.
+
+Each test starts its own small swarm (the failure consumes a server) and triggers the failure from a streamer at
+a chosen token, so nothing sleeps: kill -9, SIGTERM (a clean shutdown announcing OFFLINE), and the server's
+fault-injection hook (`--inject-fault fail|drop|stall`, armed by SIGUSR1).
+"""
 
 from __future__ import annotations
 
 import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from conftest import SERVER_ARGS, _peer_id_from_log
-from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
+from corolla import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.cli.local_swarm import LocalProcess, LocalSwarm
+from corolla.protocol.errors import MissingBlocks
+
+PROMPT = torch.tensor([[1, 11, 22, 33, 44]])
+PREFERRED = ["--throughput", "1000"]  # routes go through this server while it is up
+BACKUP = ["--throughput", "10"]
+
+
+@dataclass
+class FailoverSwarm:
+    model_path: str
+    local: LocalSwarm
+    peers: list[str]
+    procs: dict[str, LocalProcess]  # name -> server process
+    peer_ids: dict[str, str]  # name -> peer id
+
+
+@pytest.fixture
+def start_swarm(tiny_llama_path, tmp_path) -> Iterator[Callable[..., FailoverSwarm]]:
+    """start_swarm(name=(blocks, extra args), ...) -> a DHT and those servers, all ended after the test."""
+    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
+        def start(**servers: tuple[str, list[str]]) -> FailoverSwarm:
+            peers = local.start_dht()
+            procs = {name: local.start_server(tiny_llama_path, ["--blocks", blocks, *SERVER_ARGS, *extra], name=name, wait=False)
+                     for name, (blocks, extra) in servers.items()}
+            for proc in procs.values():
+                local.wait_ready(proc)
+            return FailoverSwarm(tiny_llama_path, local, peers, procs, {n: _peer_id_from_log(p.tail(200)) for n, p in procs.items()})
+
+        yield start
 
 
 @pytest.fixture(scope="module")
-def replicated_swarm(tiny_llama_path, tmp_path_factory):
-    """Blocks 0:2 on one server, blocks 2:4 on two (a replica)."""
-    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
-        peers = local.start_dht()
-        specs = {"head": "0:2", "b1": "2:4", "b2": "2:4"}
-        procs = {name: local.start_server(tiny_llama_path, ["--blocks", blocks, *SERVER_ARGS], name=name, wait=False) for name, blocks in specs.items()}
-        for proc in procs.values():
-            local.wait_ready(proc)
-        by_peer = {_peer_id_from_log(p.tail(200)): p for p in procs.values()}
-        yield local, peers, by_peer
+def expected(tiny_llama_path) -> torch.Tensor:
+    reference = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    return reference.generate(PROMPT, max_new_tokens=30, do_sample=False)
 
 
-class KillAfter:
-    """A streamer that kills the server holding the session's last span after `n` generated tokens."""
+class ActAfter:
+    """A streamer that calls `action()` once, right after the `n`-th generated token, and times the next token."""
 
-    def __init__(self, n, session, local, by_peer):
-        self.n, self.session, self.local, self.by_peer = n, session, local, by_peer
-        self.seen, self.killed = -1, None
+    def __init__(self, n: int, action: Callable[[], None]):
+        self.n, self.action = n, action
+        self.seen, self.acted_at, self.recovered_after = -1, None, None
 
     def put(self, value):
         self.seen += 1
-        if self.seen == self.n and self.killed is None:
-            peer = self.session._spans[-1].span.peer_id
-            self.killed = peer
-            self.local.kill(self.by_peer[peer], signal.SIGKILL)
+        if self.acted_at is not None and self.recovered_after is None:
+            self.recovered_after = time.perf_counter() - self.acted_at
+        if self.seen == self.n:
+            self.action()
+            self.acted_at = time.perf_counter()
 
     def end(self):
         pass
 
 
-def test_killing_a_server_mid_generation_keeps_greedy_output_identical(replicated_swarm, tiny_llama_path):
-    local, peers, by_peer = replicated_swarm
-    model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama_path, initial_peers=peers)
-    reference = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+@contextmanager
+def client(swarm: FailoverSwarm, **config) -> Iterator:
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        swarm.model_path, initial_peers=swarm.peers, client_config=ClientConfig(**config) if config else None)
     try:
-        ids = torch.tensor([[1, 11, 22, 33, 44]])
-        expected = reference.generate(ids, max_new_tokens=30, do_sample=False)
-        with model.inference_session(max_length=64) as session:
-            killer = KillAfter(10, session, local, by_peer)
-            out = model.generate(ids, max_new_tokens=30, session=session, streamer=killer)
-            assert killer.killed is not None
-            assert all(s.span.peer_id != killer.killed for s in session._spans)
-        assert torch.equal(out, expected)
+        yield model
     finally:
         model.shutdown()
+
+
+def generate_with(model, streamer: ActAfter) -> tuple[torch.Tensor, list[str]]:
+    """30 greedy tokens in one session; returns them and the peer ids the session ended on."""
+    with model.inference_session(max_length=64) as session:
+        out = model.generate(PROMPT, max_new_tokens=30, session=session, streamer=streamer)
+        return out, [s.span.peer_id for s in session._spans]
+
+
+def test_kill9_mid_generation_with_a_replica_keeps_greedy_output_identical(start_swarm, expected):
+    swarm = start_swarm(head=("0:2", []), tail=("2:4", PREFERRED), replica=("2:4", BACKUP))
+    with client(swarm) as model:
+        streamer = ActAfter(10, lambda: swarm.local.kill(swarm.procs["tail"], signal.SIGKILL))
+        out, final_peers = generate_with(model, streamer)
+    assert torch.equal(out, expected)
+    assert final_peers == [swarm.peer_ids["head"], swarm.peer_ids["replica"]]
+
+
+def test_failed_span_is_taken_over_by_two_smaller_servers(start_swarm, expected):
+    swarm = start_swarm(head=("0:2", []), tail=("2:4", PREFERRED), left=("2:3", BACKUP), right=("3:4", BACKUP))
+    with client(swarm) as model:
+        streamer = ActAfter(10, lambda: swarm.local.kill(swarm.procs["tail"], signal.SIGKILL))
+        out, final_peers = generate_with(model, streamer)
+    assert torch.equal(out, expected)
+    assert final_peers == [swarm.peer_ids[name] for name in ("head", "left", "right")]
+
+
+@pytest.mark.parametrize("fault", ["fail", "drop", "stall"])
+def test_server_that_fails_drops_or_stalls_a_step_is_routed_around(start_swarm, expected, fault):
+    swarm = start_swarm(head=("0:2", []), faulty=("2:4", [*PREFERRED, "--inject-fault", fault]), replica=("2:4", BACKUP))
+    step_timeout = 3.0
+    with client(swarm, request_timeout=step_timeout) as model:
+        streamer = ActAfter(10, lambda: swarm.procs["faulty"].popen.send_signal(signal.SIGUSR1))
+        out, final_peers = generate_with(model, streamer)
+    assert torch.equal(out, expected)
+    assert final_peers == [swarm.peer_ids["head"], swarm.peer_ids["replica"]]
+    assert "injecting fault" in swarm.procs["faulty"].tail(400)
+    if fault == "stall":  # abandoned after the step timeout, not before and not much later
+        assert step_timeout <= streamer.recovered_after < step_timeout + 5
+    else:
+        assert streamer.recovered_after < 2.0
+
+
+def test_clean_shutdown_moves_sessions_without_an_error(start_swarm, expected):
+    swarm = start_swarm(head=("0:2", []), leaving=("2:4", PREFERRED), replica=("2:4", BACKUP))
+    leaving = swarm.procs["leaving"]
+    with client(swarm) as model:
+        streamer = ActAfter(10, lambda: leaving.popen.send_signal(signal.SIGTERM))  # the server alone, as a user would
+        out, final_peers = generate_with(model, streamer)
+    assert torch.equal(out, expected)
+    assert final_peers == [swarm.peer_ids["head"], swarm.peer_ids["replica"]]
+    leaving.popen.wait(timeout=30)
+    assert "announced OFFLINE" in leaving.tail(400)
+
+
+def test_without_a_replica_the_user_gets_missing_blocks_quickly(start_swarm):
+    swarm = start_swarm(head=("0:2", []), tail=("2:4", []))
+    with client(swarm) as model:
+        streamer = ActAfter(5, lambda: swarm.local.kill(swarm.procs["tail"], signal.SIGKILL))
+        with pytest.raises(MissingBlocks) as error:
+            generate_with(model, streamer)
+        waited = time.perf_counter() - streamer.acted_at
+    assert error.value.blocks == [2, 3]
+    assert waited < 15.0, f"MissingBlocks took {waited:.1f}s"

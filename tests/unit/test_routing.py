@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
+from collections import Counter
+
 import pytest
 
-from corolla.client.routing import Span, find_route, uncovered_blocks
+from corolla.client.config import ClientConfig
+from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks
+from corolla.client.sequence_manager import SequenceManager
+from corolla.protocol.errors import MissingBlocks
 from corolla.protocol.messages import ServerInfo, ServerState
 
 
@@ -57,3 +64,77 @@ def test_no_route_and_uncovered_blocks_when_a_block_has_no_server():
 def test_bad_range_raises():
     with pytest.raises(ValueError):
         find_route(swarm(2, {}), 1, 1)
+
+
+def test_measured_round_trips_steer_the_route():
+    blocks = swarm(4, {"near": make_info(0, 4, throughput=100), "far": make_info(0, 4, throughput=200)})
+    # compute: near 4/100 = 0.04 s, far 4/200 = 0.02 s; far's round trip of 0.05 s outweighs its faster compute
+    assert find_route(blocks, 0, 4, rtts={"near": 0.001, "far": 0.05}) == [Span("near", 0, 4)]
+    assert find_route(blocks, 0, 4, rtts={"near": 0.001, "far": 0.01}) == [Span("far", 0, 4)]
+
+
+def test_cheapest_chain_adds_up_hops_pings_and_compute():
+    servers = {
+        "a": make_info(0, 2, throughput=1000), "b": make_info(2, 4, throughput=1000),  # 2 hops, fast compute
+        "c": make_info(0, 4, throughput=100),  # 1 hop, 4 blocks at 10 ms each
+    }
+    blocks = swarm(4, servers)
+    # a+b: 2 * (0.002 + 0.001) + 4 * 0.001 = 0.010 s;  c: 0.002 + 0.001 + 0.04 = 0.043 s
+    assert find_route(blocks, 0, 4, rtts={"a": 0.001, "b": 0.001, "c": 0.001}) == [Span("a", 0, 2), Span("b", 2, 4)]
+    # b far away: a+b = 0.005 + 0.045 = 0.050 s, c alone = 0.043 s, a then c's part = 0.005 + 0.023 = 0.028 s
+    assert find_route(blocks, 0, 4, rtts={"a": 0.001, "b": 0.041, "c": 0.001}) == [Span("a", 0, 2), Span("c", 2, 4)]
+
+
+def test_unmeasured_servers_are_charged_the_default_round_trip():
+    blocks = swarm(2, {"new": make_info(0, 2), "known": make_info(0, 2)})
+    assert find_route(blocks, 0, 2, rtts={"known": 0.01}, default_rtt=0.05) == [Span("known", 0, 2)]
+    assert find_route(blocks, 0, 2, rtts={"known": 0.01}, default_rtt=0.0) == [Span("new", 0, 2)]
+
+
+def test_sample_route_spreads_passes_in_proportion_to_throughput():
+    blocks = swarm(4, {"slow": make_info(0, 4, throughput=10), "mid": make_info(0, 4, throughput=30),
+                       "fast": make_info(0, 4, throughput=60)})
+    rng = random.Random(0)
+    counts = Counter(route[0].peer_id for route in (sample_route(blocks, 0, 4, rng) for _ in range(5000)))
+    assert abs(counts["slow"] / 5000 - 0.1) < 0.02 and abs(counts["mid"] / 5000 - 0.3) < 0.02
+    assert abs(counts["fast"] / 5000 - 0.6) < 0.02
+
+
+def test_sample_route_tiles_the_range_and_skips_banned_and_offline():
+    blocks = swarm(6, {"a": make_info(0, 3), "b": make_info(3, 6), "c": make_info(2, 6),
+                       "off": make_info(0, 6, 1e6, state=ServerState.OFFLINE)})
+    rng = random.Random(1)
+    for _ in range(50):
+        route = sample_route(blocks, 1, 6, rng, banned={"c"})
+        assert route == [Span("a", 1, 3), Span("b", 3, 6)]
+    assert sample_route(blocks, 0, 6, rng, banned={"a"}) is None
+
+
+def make_manager(servers: dict[str, ServerInfo], num_blocks: int, **config) -> SequenceManager:
+    manager = SequenceManager(node=None, prefix="m", num_blocks=num_blocks,  # type: ignore[arg-type]
+                              config=ClientConfig(missing_blocks_wait=0.0, **config))
+    manager.block_servers = swarm(num_blocks, servers)
+
+    async def no_update(force: bool = False) -> None:
+        pass
+
+    manager.update = no_update  # type: ignore[method-assign]
+    return manager
+
+
+def test_a_ban_never_leaves_a_block_without_a_server_but_unreachable_peers_are_dropped():
+    manager = make_manager({"a": make_info(0, 2), "b": make_info(2, 4)}, 4)
+    manager.ban("b")  # failed a request: still the only server of blocks 2:4, so still used
+    assert asyncio.run(manager.make_route(0, 4)) == [Span("a", 0, 2), Span("b", 2, 4)]
+    manager.ban("b", unreachable=True)  # cannot be dialed: gone
+    with pytest.raises(MissingBlocks) as error:
+        asyncio.run(manager.make_route(0, 4))
+    assert error.value.blocks == [2, 3] and "2:4" in str(error.value)
+
+
+def test_banned_peer_is_avoided_while_a_replica_exists_and_forgiven_after_success():
+    manager = make_manager({"a": make_info(0, 4), "b": make_info(0, 4, throughput=50)}, 4)
+    manager.ban("a")
+    assert asyncio.run(manager.make_route(0, 4)) == [Span("b", 0, 4)]
+    manager.forgive("a")
+    assert asyncio.run(manager.make_route(0, 4)) == [Span("a", 0, 4)]

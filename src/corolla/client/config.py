@@ -18,3 +18,5 @@ class ClientConfig:
     max_backoff: float = 60.0  # cap on a peer's ban, seconds
     missing_blocks_wait: float = 5.0  # seconds to wait for servers of uncovered blocks before MissingBlocks
     hop_cost: float = 0.002  # routing: seconds of overhead charged per server hop
+    default_rtt: float = 0.05  # routing: assumed round trip to a server not measured yet, seconds
+    ping_timeout: float = 2.0  # seconds a round-trip measurement may take

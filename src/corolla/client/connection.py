@@ -10,7 +10,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from corolla.protocol import rpc_handler_name
-from corolla.protocol.errors import PeerUnavailable, ProtocolError, RemoteError
+from corolla.protocol.errors import PeerUnavailable, PeerUnreachable, ProtocolError, RemoteError
 from corolla.protocol.framing import read_frame, write_frame
 from corolla.protocol.messages import ErrorReply, Message
 
@@ -25,15 +25,15 @@ class Connection:
 
     @classmethod
     async def open(cls, p2p: P2P, peer_id: str, verb: str, timeout: float) -> Connection:
-        """Open a stream to `verb` on the peer; PeerUnavailable if it cannot be reached in `timeout` seconds."""
+        """Open a stream to `verb` on the peer; PeerUnreachable if that fails or takes over `timeout` seconds."""
         try:
             _, reader, writer = await asyncio.wait_for(
                 p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), rpc_handler_name(verb)), timeout
             )
         except asyncio.TimeoutError:
-            raise PeerUnavailable(f"server {peer_id} did not accept a stream within {timeout:.1f}s") from None
+            raise PeerUnreachable(f"server {peer_id} did not accept a stream within {timeout:.1f}s") from None
         except Exception as e:  # p2pd reports unreachable peers with assorted exception types
-            raise PeerUnavailable(f"could not reach server {peer_id}: {e}") from e
+            raise PeerUnreachable(f"could not reach server {peer_id}: {e}") from e
         return cls(peer_id, reader, writer)
 
     async def send(self, message: Message, tensors: Sequence[torch.Tensor] = ()) -> None:

@@ -22,7 +22,7 @@ from corolla.client.event_loop import run_sync
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.errors import PeerUnavailable, RemoteError, SessionExpired
+from corolla.protocol.errors import PeerUnavailable, PeerUnreachable, RemoteError, SessionExpired
 from corolla.protocol.messages import (
     BlockRange,
     CloseSession,
@@ -163,54 +163,67 @@ class InferenceSession:
     async def _step(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._spans is None:
             self._spans = await self._open_chain(self.start, self.end, history=None)
-        x = hidden
-        index = 0
-        failures = 0
+        x, index, failures = hidden, 0, 0
         while index < len(self._spans):
             span = self._spans[index]
             try:
                 x_out = await span.step(x, self._position, self.config.request_timeout)
-                self.manager.forgive(span.span.peer_id)
-                x = x_out
-                index += 1
             except (PeerUnavailable, RemoteError) as e:
-                if not is_retryable(e):
-                    raise
-                failures += 1
-                if failures > self.config.max_retries:
-                    raise PeerUnavailable(f"step failed after {failures} attempts: {e}") from e
-                logger.warning("server %s failed (%s); replacing blocks %d:%d", span.span.peer_id, e, span.span.start, span.span.end)
-                self.manager.ban(span.span.peer_id)
+                failures = self._after_failure(e, failures, span.span)
                 await span.close()
-                await asyncio.sleep(min(self.config.min_backoff * (failures - 1), 5.0))
-                await self.manager.update(force=True)
+                await self._backoff(failures)
                 history = span.history[:, : self._position] if span.history is not None else None
-                try:
-                    replacement = await self._open_chain(span.span.start, span.span.end, history=history)
-                except (PeerUnavailable, RemoteError) as open_error:
-                    if not is_retryable(open_error):
-                        raise
-                    logger.warning("replacement failed: %s", open_error)
-                    continue  # try again with the failed peer banned
-                self._spans[index : index + 1] = replacement
+                self._spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
+                continue
+            self.manager.forgive(span.span.peer_id)
+            x = x_out
+            index += 1
         return x
 
     async def _open_chain(self, start: int, end: int, history: torch.Tensor | None) -> list[_SpanSession]:
-        """Open sessions on a fresh route over [start, end) and replay `history` (inputs at block `start`) into them."""
-        route = await self.manager.make_route(start, end, cache_tokens_needed=self.batch_size * self.max_length)
-        opened: list[_SpanSession] = []
-        try:
-            x = history
-            for span in route:
-                session = await _SpanSession.open(self.manager, span, self.max_length, self.batch_size, self.config)
-                opened.append(session)
-                if x is not None and x.shape[1] > 0:
-                    x = await session.step(x, 0, self.config.request_timeout)
-        except BaseException:
-            await self._close_spans(opened)
-            raise
-        logger.debug("session route %d:%d -> %s", start, end, [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened])
-        return opened
+        """Open sessions on a fresh route over [start, end) and replay `history` (inputs at block `start`) into them.
+
+        A server failing while being opened or replayed into is banned and the route re-planned, up to max_retries.
+        """
+        failures = 0
+        while True:
+            route = await self.manager.make_route(start, end, cache_tokens_needed=self.batch_size * self.max_length)
+            opened: list[_SpanSession] = []
+            span = route[0]
+            try:
+                x = history
+                for span in route:
+                    session = await _SpanSession.open(self.manager, span, self.max_length, self.batch_size, self.config)
+                    opened.append(session)
+                    if x is not None and x.shape[1] > 0:
+                        x = await session.step(x, 0, self.config.request_timeout)
+            except (PeerUnavailable, RemoteError) as e:
+                await self._close_spans(opened)
+                failures = self._after_failure(e, failures, span)
+                await self._backoff(failures)
+                continue
+            except BaseException:
+                await self._close_spans(opened)
+                raise
+            logger.debug("session route %d:%d -> %s", start, end, [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened])
+            return opened
+
+    def _after_failure(self, error: Exception, failures: int, span: Span) -> int:
+        """Ban the span's server for a retryable error and return the new failure count; re-raise anything else."""
+        if not is_retryable(error):
+            raise error
+        failures += 1
+        if failures > self.config.max_retries:
+            raise PeerUnavailable(f"blocks {span.start}:{span.end} failed {failures} times; last error: {error}") from error
+        logger.warning("server %s failed on blocks %d:%d (%s); routing around it", span.peer_id, span.start, span.end, error)
+        self.manager.ban(span.peer_id, unreachable=isinstance(error, PeerUnreachable))
+        return failures
+
+    async def _backoff(self, failures: int) -> None:
+        """The first retry goes at once (to a replica); later ones wait longer and re-read the swarm first."""
+        if failures > 1:
+            await asyncio.sleep(min(self.config.min_backoff * (failures - 1), 5.0))
+        await self.manager.update(force=failures > 1)
 
     @staticmethod
     async def _close_spans(spans: Sequence[_SpanSession]) -> None:

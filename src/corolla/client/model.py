@@ -84,6 +84,7 @@ class DistributedModelForCausalLM(nn.Module):
         if node is not None:
             self._node = None
             _live_nodes.discard(node)
+            run_sync(self.transformer.manager.close(), timeout=10)
             run_sync(node.shutdown(), timeout=10)
 
 
@@ -121,7 +122,10 @@ class AutoDistributedModelForCausalLM:
 
         hf_config = load_config(model_name_or_path, cache_dir=cache_dir, revision=revision, token=token)
         family = get_family(hf_config)
-        tensors = load_tensors(model_name_or_path, family.is_head_tensor, dtype=model_dtype, cache_dir=cache_dir, revision=revision, token=token)
+        tensors = load_tensors(
+            model_name_or_path, family.is_head_tensor, dtype=model_dtype, cache_dir=cache_dir, revision=revision,
+            token=token, rename=family.canonical_name,
+        )
         default_dtype = torch.get_default_dtype()
         try:
             torch.set_default_dtype(model_dtype)

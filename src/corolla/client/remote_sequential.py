@@ -13,7 +13,7 @@ from corolla.client.event_loop import run_sync
 from corolla.client.inference_session import InferenceSession, is_retryable
 from corolla.client.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.errors import PeerUnavailable, RemoteError
+from corolla.protocol.errors import PeerUnavailable, PeerUnreachable, RemoteError
 from corolla.protocol.messages import BlockRange, ForwardRequest, ForwardResult
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class RemoteSequential(nn.Module):
         config = self.manager.config
         block, x, failures = self.start, hidden, 0
         while block < self.end:
-            route = await self.manager.make_route(block, self.end)
+            route = await self.manager.make_forward_route(block, self.end)
             for span in route:
                 try:
                     x = await self._forward_span(span.peer_id, span.start, span.end, x)
@@ -60,7 +60,7 @@ class RemoteSequential(nn.Module):
                     if failures > config.max_retries:
                         raise PeerUnavailable(f"forward failed after {failures} attempts: {e}") from e
                     logger.warning("forward on %s failed (%s); re-routing from block %d", span.peer_id, e, block)
-                    self.manager.ban(span.peer_id)
+                    self.manager.ban(span.peer_id, unreachable=isinstance(e, PeerUnreachable))
                     await asyncio.sleep(min(config.min_backoff * (failures - 1), 5.0))
                     await self.manager.update(force=True)
                     break

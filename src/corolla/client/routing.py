@@ -1,14 +1,19 @@
 """Route finding: pure functions from announced server records to a chain of spans.
 
-A route for blocks [start, end) is a list of spans (peer, a, b) that tile the range in order. We search the
-cheapest one with Dijkstra over block boundaries: an edge a -> b exists for each server hosting [a, b), and
-costs one hop overhead plus the compute time of b - a blocks at that server's throughput, plus a penalty when its
-free cache cannot hold the session.
+A route for blocks [start, end) is a list of spans (peer, a, b) that tile the range in order.
+
+Inference routes minimise latency with Dijkstra over block boundaries: an edge a -> b exists for each server
+hosting [a, b). The client relays every step between spans (client -> A -> client -> B -> client), so an edge
+costs the client's measured round trip to that server, a fixed per-hop overhead, the compute time of b - a
+blocks at the server's announced throughput, and a penalty when its free cache cannot hold the session.
+
+Forward/backward passes carry no state, so `sample_route` spreads them over servers in proportion to throughput.
 """
 
 from __future__ import annotations
 
 import heapq
+import random
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -36,12 +41,16 @@ def find_route(
     banned: frozenset[str] | set[str] = frozenset(),
     cache_tokens_needed: int = 0,
     hop_cost: float = 0.002,
+    rtts: Mapping[str, float] | None = None,
+    default_rtt: float = 0.0,
 ) -> list[Span] | None:
     """Cheapest chain of spans covering [start, end), or None when some block has no usable server.
 
     block_servers[i] maps peer id -> record for block i (as read from the DHT). Only ONLINE servers that are not
-    banned are used. Ties are broken towards fewer hops, then by peer id, so equal inputs give equal routes.
+    banned are used. `rtts` maps peer id -> the client's measured round trip in seconds (`default_rtt` for a peer
+    not measured yet). Ties are broken towards fewer hops, then by peer id, so equal inputs give equal routes.
     """
+    rtts = rtts or {}
     if not 0 <= start < end <= len(block_servers):
         raise ValueError(f"bad block range {start}:{end} for {len(block_servers)} blocks")
     # each server's contiguous coverage starting at each block it holds, limited to [start, end)
@@ -54,9 +63,10 @@ def find_route(
             if not (info.start_block <= block < stop):
                 continue
             per_block = 1.0 / max(info.throughput, 1e-9)
-            penalty = FULL_CACHE_PENALTY if info.cache_tokens_free < cache_tokens_needed else 0.0
+            fixed = hop_cost + rtts.get(peer, default_rtt)
+            fixed += FULL_CACHE_PENALTY if info.cache_tokens_free < cache_tokens_needed else 0.0
             for b in range(block + 1, stop + 1):
-                edges.setdefault(block, []).append((hop_cost + per_block * (b - block) + penalty, peer, b))
+                edges.setdefault(block, []).append((fixed + per_block * (b - block), peer, b))
 
     best: dict[int, tuple[float, int]] = {start: (0.0, 0)}
     previous: dict[int, tuple[int, str]] = {}
@@ -82,6 +92,39 @@ def find_route(
         spans.append(Span(peer, prev, node))
         node = prev
     return spans[::-1]
+
+
+def sample_route(
+    block_servers: Sequence[Mapping[str, ServerInfo]],
+    start: int,
+    end: int,
+    rng: random.Random,
+    *,
+    banned: frozenset[str] | set[str] = frozenset(),
+) -> list[Span] | None:
+    """A chain covering [start, end) for a stateless pass, or None when some block has no usable server.
+
+    From the first uncovered block, a server holding it is drawn with probability proportional to its throughput
+    and serves as far as it reaches (up to `end`); so the load of many passes spreads over the servers in
+    proportion to their speed. Deterministic for a given `rng` state.
+    """
+    if not 0 <= start < end <= len(block_servers):
+        raise ValueError(f"bad block range {start}:{end} for {len(block_servers)} blocks")
+    spans: list[Span] = []
+    block = start
+    while block < end:
+        candidates = sorted(
+            (peer, info) for peer, info in block_servers[block].items()
+            if peer not in banned and info.state == ServerState.ONLINE and info.start_block <= block < info.end_block
+        )
+        if not candidates:
+            return None
+        weights = [max(info.throughput, 1e-9) for _, info in candidates]
+        peer, info = rng.choices(candidates, weights=weights)[0]
+        stop = min(info.end_block, end)
+        spans.append(Span(peer, block, stop))
+        block = stop
+    return spans
 
 
 def uncovered_blocks(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, banned: frozenset[str] | set[str] = frozenset()) -> list[int]:

@@ -1,28 +1,39 @@
-"""Who serves what: a cached view of the swarm, peer bans with backoff, and routes on demand.
+"""Who serves what: a cached view of the swarm, measured round trips, peer bans with backoff, routes on demand.
 
 All methods run on the client's event loop.
+
+Two kinds of failure are told apart:
+- a peer that answered badly or broke a stream is *banned* with exponential backoff, but a ban never makes a
+  block unservable: when only banned peers hold a block, they are used anyway;
+- a peer that cannot even be dialed is *unreachable*: it is skipped outright (with the same backoff), so a dead
+  server whose DHT record has not expired yet leads to `MissingBlocks`, not to a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass
 
 from corolla.client.config import ClientConfig
-from corolla.client.routing import Span, find_route, uncovered_blocks
+from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks
+from corolla.client.server_info import request_info
 from corolla.dht import SwarmNode, fetch_block_servers
-from corolla.protocol.errors import MissingBlocks
-from corolla.protocol.messages import ServerInfo
+from corolla.protocol.errors import MissingBlocks, PeerUnavailable
+from corolla.protocol.messages import ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
+
+RTT_SMOOTHING = 0.5  # weight of a new round-trip sample in the running average
 
 
 @dataclass
 class _Ban:
     until: float
     failures: int
+    unreachable: bool
 
 
 class SequenceManager:
@@ -33,52 +44,104 @@ class SequenceManager:
         self.config = config
         self.block_servers: list[dict[str, ServerInfo]] = [{} for _ in range(num_blocks)]
         self.last_update = -float("inf")
+        self.rtts: dict[str, float] = {}  # peer id -> smoothed round trip, seconds
+        self._measured_at: dict[str, float] = {}
         self._bans: dict[str, _Ban] = {}
         self._update_lock = asyncio.Lock()
+        self._pings: asyncio.Task[None] | None = None
+        self._rng = random.Random()
 
     async def update(self, force: bool = False) -> None:
-        """Re-read every block's servers from the DHT (at most once per update_period unless forced)."""
+        """Re-read every block's servers from the DHT (at most once per update_period unless forced).
+
+        Round trips to servers not measured within update_period are then measured: awaited (briefly) on the
+        first update so the first route uses them, in the background afterwards so failover never waits on pings.
+        """
         async with self._update_lock:
             if not force and time.monotonic() - self.last_update < self.config.update_period:
                 return
+            first = self.last_update == -float("inf")
             self.block_servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_blocks))
             self.last_update = time.monotonic()
             logger.debug("swarm view updated: %s", [len(s) for s in self.block_servers])
+        if self._pings is None or self._pings.done():
+            self._pings = asyncio.create_task(self._measure_rtts())
+            if first:
+                await asyncio.wait({self._pings}, timeout=self.config.ping_timeout)
 
-    def banned(self) -> set[str]:
+    async def _measure_rtts(self) -> None:
         now = time.monotonic()
-        return {peer for peer, ban in self._bans.items() if ban.until > now}
+        peers = {
+            peer for servers in self.block_servers for peer, info in servers.items()
+            if info.state == ServerState.ONLINE and now - self._measured_at.get(peer, -float("inf")) > self.config.update_period
+        }
+        await asyncio.gather(*(self._ping(peer) for peer in sorted(peers)))
 
-    def ban(self, peer_id: str) -> None:
-        """Avoid `peer_id` for a while: min_backoff after its first failure, doubling with each further one."""
+    async def _ping(self, peer_id: str) -> None:
+        begin = time.perf_counter()
+        try:
+            await request_info(self.node.p2p, peer_id, timeout=self.config.ping_timeout)
+        except PeerUnavailable as e:
+            logger.debug("ping to %s failed: %s", peer_id, e)
+            return
+        sample = time.perf_counter() - begin
+        previous = self.rtts.get(peer_id)
+        self.rtts[peer_id] = sample if previous is None else (1 - RTT_SMOOTHING) * previous + RTT_SMOOTHING * sample
+        self._measured_at[peer_id] = time.monotonic()
+
+    # ------------------------------------------------------------------ bans
+    def banned(self, unreachable_only: bool = False) -> set[str]:
+        now = time.monotonic()
+        return {p for p, ban in self._bans.items() if ban.until > now and (ban.unreachable or not unreachable_only)}
+
+    def ban(self, peer_id: str, unreachable: bool = False) -> None:
+        """Avoid `peer_id` for a while: min_backoff after its first failure, doubling with each further one.
+
+        `unreachable=True` (the peer could not be dialed) makes routes skip it even when it is a block's only server.
+        """
         ban = self._bans.get(peer_id)
         failures = ban.failures + 1 if ban else 1
         duration = min(self.config.max_backoff, self.config.min_backoff * 2 ** (failures - 1))
-        self._bans[peer_id] = _Ban(until=time.monotonic() + duration, failures=failures)
-        logger.info("banned peer=%s for %.1fs after %d failure(s)", peer_id, duration, failures)
+        self._bans[peer_id] = _Ban(until=time.monotonic() + duration, failures=failures, unreachable=unreachable)
+        logger.info("banned peer=%s for %.1fs after %d failure(s)%s", peer_id, duration, failures,
+                    " (unreachable)" if unreachable else "")
 
     def forgive(self, peer_id: str) -> None:
         """A successful request resets the peer's backoff."""
         self._bans.pop(peer_id, None)
 
+    # ------------------------------------------------------------------ routes
     async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0) -> list[Span]:
-        """A chain of spans covering [start, end); waits up to missing_blocks_wait for servers, then MissingBlocks.
+        """The fastest chain of spans covering [start, end) for an inference session (see routing.find_route)."""
 
-        Banned peers are skipped, unless a block would be left with no server at all: then bans are ignored
-        rather than failing (a ban must never make the model unusable).
-        """
+        def plan(banned: set[str]) -> list[Span] | None:
+            return find_route(
+                self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
+                hop_cost=self.config.hop_cost, rtts=self.rtts, default_rtt=self.config.default_rtt,
+            )
+
+        return await self._route(start, end, plan)
+
+    async def make_forward_route(self, start: int, end: int) -> list[Span]:
+        """A chain for a stateless forward/backward pass, drawn in proportion to server throughput."""
+        return await self._route(start, end, lambda banned: sample_route(self.block_servers, start, end, self._rng, banned=banned))
+
+    async def _route(self, start: int, end: int, plan) -> list[Span]:
+        """plan(banned) with every ban, else with only unreachable peers excluded; waits up to missing_blocks_wait
+        for servers (re-reading the DHT), then raises MissingBlocks naming the blocks nobody reachable holds."""
         await self.update()
         deadline = time.monotonic() + self.config.missing_blocks_wait
         while True:
-            banned = self.banned()
-            route = find_route(
-                self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed, hop_cost=self.config.hop_cost
-            )
-            if route is None and banned:
-                route = find_route(self.block_servers, start, end, cache_tokens_needed=cache_tokens_needed, hop_cost=self.config.hop_cost)
+            route = plan(self.banned())
+            if route is None:
+                route = plan(self.banned(unreachable_only=True))
             if route is not None:
                 return route
             if time.monotonic() >= deadline:
-                raise MissingBlocks(uncovered_blocks(self.block_servers, start, end))
+                raise MissingBlocks(uncovered_blocks(self.block_servers, start, end, self.banned(unreachable_only=True)))
             await asyncio.sleep(0.25)
             await self.update(force=True)
+
+    async def close(self) -> None:
+        if self._pings is not None:
+            self._pings.cancel()

@@ -25,6 +25,10 @@ class PeerUnavailable(CorollaError):
     """A peer could not be reached, closed the stream, or did not answer in time."""
 
 
+class PeerUnreachable(PeerUnavailable):
+    """A stream to the peer could not be opened at all: the peer is most likely gone."""
+
+
 class MissingBlocks(CorollaError):
     """No server in the swarm covers some of the blocks a request needs."""
 

@@ -44,3 +44,11 @@ class ServerConfig:
     cache_dir: str | None = field(default=None, metadata=_opt("where hub downloads go (default ~/.cache/corolla)"))
     max_disk_space: int | None = field(default=None, metadata=_opt("cap on the download cache, bytes"))
     num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's choice)"))
+    inject_fault: str | None = field(
+        default=None,
+        metadata=_opt(
+            "for failure tests: once this process gets SIGUSR1, every inference step fails with an error (fail), "
+            "has its stream dropped (drop) or never gets an answer (stall)",
+            choices=("fail", "drop", "stall"),
+        ),
+    )

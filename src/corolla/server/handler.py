@@ -66,6 +66,7 @@ class ConnectionHandler:
         self.describe = describe
         self.sessions: dict[str, asyncio.Task[None]] = {}
         self.shutting_down = False
+        self.fault_armed = False  # set by SIGUSR1 when config.inject_fault is given (failure tests)
 
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
         for verb, handler in (("inference", self.rpc_inference), ("forward", self.rpc_forward), ("info", self.rpc_info)):
@@ -138,6 +139,9 @@ class ConnectionHandler:
                     raise RequestError(
                         ErrorCode.BAD_REQUEST, f"step at position {step.position}, but the session holds only {position} tokens"
                     )
+                if self.fault_armed and self.config.inject_fault is not None:
+                    await self._inject_fault(self.config.inject_fault)
+                    return  # "drop": end the stream without an answer
                 new_position = step.position + hidden.shape[1]
                 if new_position > message.max_length:
                     raise RequestError(
@@ -159,6 +163,14 @@ class ConnectionHandler:
             self.sessions.pop(session_id, None)
             self.allocator.release(session_id)
             logger.debug("session.close id=%s free_tokens=%d", session_id, self.allocator.budget.free)
+
+    async def _inject_fault(self, fault: str) -> None:
+        logger.warning("injecting fault %r into an inference step", fault)
+        if fault == "fail":
+            raise RequestError(ErrorCode.INTERNAL, "injected fault")
+        if fault == "stall":
+            await asyncio.sleep(self.config.step_timeout)
+            raise RequestError(ErrorCode.TIMEOUT, "injected stall")
 
     # ------------------------------------------------------------------ validation
     def _check_version(self, version: int) -> None:

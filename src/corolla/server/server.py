@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 
 import torch
@@ -118,24 +119,36 @@ class Server:
                 self.allocator.budget.total, self.throughput, " ".join(maddrs),
             )
             announcer_task = asyncio.create_task(announcer.run())
+            if self.config.inject_fault:
+                asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self._arm_fault)
             await self._stop.wait()
         finally:
             await self._shutdown(announcer, announcer_task, worker)
 
+    def _arm_fault(self) -> None:
+        assert self.handler is not None
+        logger.warning("SIGUSR1: inference steps now %s (--inject-fault)", self.config.inject_fault)
+        self.handler.fault_armed = True
+
     async def _shutdown(self, announcer: Announcer | None, announcer_task: asyncio.Task[None] | None, worker: ComputeWorker) -> None:
+        """OFFLINE first, so that clients re-routing away from us do not pick us again; then end every session,
+        each with a shutting_down reply that makes its client move it to another server."""
         self.state = ServerState.OFFLINE
-        if announcer_task is not None:
-            announcer_task.cancel()
         if self.handler is not None:
             self.handler.shutting_down = True
-            for task in list(self.handler.sessions.values()):
-                task.cancel()
+        if announcer_task is not None:
+            announcer_task.cancel()
         if announcer is not None:
             try:
                 await asyncio.wait_for(announcer.announce(), 5.0)
                 logger.info("announced OFFLINE for blocks %d:%d", self.start_block, self.end_block)
             except Exception as e:
                 logger.warning("could not announce OFFLINE: %s", e)
+        if self.handler is not None:
+            sessions = list(self.handler.sessions.values())
+            for task in sessions:
+                task.cancel()
+            await asyncio.wait(sessions, timeout=5.0) if sessions else None
         if self.node is not None:
             await self.node.shutdown()
         worker.shutdown()
@@ -170,6 +183,7 @@ class Server:
             dtype=self.dtype,
             cache_dir=self.config.cache_dir,
             max_disk_space=self.config.max_disk_space,
+            rename=self.family.canonical_name,
         )
         blocks = []
         default_dtype = torch.get_default_dtype()
