@@ -1,7 +1,8 @@
 """Benchmark: local Hugging Face greedy generation vs. the same model through a local corolla swarm.
 
-For each model (random weights, float32) the swarm is a DHT peer plus two servers holding half the blocks each,
-all on this machine. Both sides run the same greedy loop and are timed the same way:
+For each model (random weights, float32, from any family corolla serves: Llama/Mistral/Qwen2/Qwen3, BLOOM,
+Falcon, Mixtral) the swarm is a DHT peer plus two servers holding half the blocks each, all on this machine.
+Both sides run the same greedy loop and are timed the same way:
 
 * prefill (time to first token): the prompt's forward with a KV cache, the last position's logits, argmax;
 * decode: each further token's forward (one token, reusing the cache), logits, argmax; reported per token.
@@ -10,6 +11,7 @@ Every process (servers, client, local baseline) uses one torch thread, so that o
 OpenMP pools do not fight over the cores. Prints one JSON object on stdout; progress goes to stderr.
 
     python bench/bench_generate.py --models tiny --repeats 3
+    python bench/bench_generate.py --models families     # one 8-layer realistic-shape checkpoint per family
 """
 
 from __future__ import annotations
@@ -19,22 +21,66 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    FalconConfig,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen3Config,
+)
 
-MODELS = {  # name -> LlamaConfig arguments (eos_token_id=None: greedy runs never stop early)
-    "tiny": {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 128, "vocab_size": 128},
-    "tinyllama8": {"hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 4,
-                   "intermediate_size": 5632, "vocab_size": 32000, "rms_norm_eps": 1e-5},
+# Token ids every checkpoint gets; eos_token_id=None: greedy runs never stop early.
+SPECIAL_TOKENS = {"bos_token_id": 1, "eos_token_id": None, "pad_token_id": None}
+TINY = {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128}  # shared by the tiny-* smoke-test models
+FALCON_ROTARY = {"parallel_attn": True, "bias": False, "alibi": False}  # rotary Falcon (corolla rejects ALiBi)
+
+# name -> (HF config class, its arguments). The per-family models are 8 layers of a real 1B-7B shape with
+# vocab 32000 (the real vocabularies range 32k-250k; one size keeps the client's embeddings/LM head comparable).
+MODELS: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    "tiny": (LlamaConfig, {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 128}),
+    "tinyllama8": (LlamaConfig, {"hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 32,
+                                 "num_key_value_heads": 4, "intermediate_size": 5632, "vocab_size": 32000,
+                                 "rms_norm_eps": 1e-5}),
+    # one realistic shape per family (the `families` shortcut), each with goal decode <= 1.10x local
+    "qwen3-0.6b8": (Qwen3Config, {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+                                  "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072,
+                                  "vocab_size": 32000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+    "bloom-1b1-8": (BloomConfig, {"hidden_size": 1536, "n_layer": 8, "n_head": 16, "vocab_size": 32000}),
+    "falcon40b-shape-1b8": (FalconConfig, {"hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 32,
+                                           "num_kv_heads": 4, "new_decoder_architecture": True, "vocab_size": 32000,
+                                           **FALCON_ROTARY}),
+    "mixtral-1b8": (MixtralConfig, {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+                                    "num_key_value_heads": 8, "intermediate_size": 3584, "num_local_experts": 8,
+                                    "num_experts_per_tok": 2, "sliding_window": None, "vocab_size": 32000}),
+    "falcon-7b8": (FalconConfig, {"hidden_size": 4544, "num_hidden_layers": 8, "num_attention_heads": 71,
+                                  "multi_query": True, "new_decoder_architecture": False, "vocab_size": 32000,
+                                  **FALCON_ROTARY}),
+    # the same families at hidden 64 (the `tiny-families` shortcut): a quick check that every code path runs
+    "tiny-qwen3": (Qwen3Config, {**TINY, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 32,
+                                 "intermediate_size": 128, "tie_word_embeddings": True}),
+    "tiny-bloom": (BloomConfig, {"hidden_size": 64, "n_layer": 4, "n_head": 4, "vocab_size": 128}),
+    "tiny-falcon40b": (FalconConfig, {**TINY, "num_hidden_layers": 4, "num_kv_heads": 2,
+                                      "new_decoder_architecture": True, **FALCON_ROTARY}),
+    "tiny-mixtral": (MixtralConfig, {**TINY, "num_hidden_layers": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+                                     "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "tiny-falcon7b": (FalconConfig, {**TINY, "num_hidden_layers": 4, "multi_query": True,
+                                     "new_decoder_architecture": False, **FALCON_ROTARY}),
 }
-CACHED = {"tinyllama8"}  # built once into the cache dir and reused; the others go to a temp dir
+FAMILY_MODELS = ("qwen3-0.6b8", "bloom-1b1-8", "falcon40b-shape-1b8", "mixtral-1b8", "falcon-7b8")  # smallest first
+SHORTCUTS = {"families": FAMILY_MODELS, "tiny-families": tuple(n for n in MODELS if n.startswith("tiny-"))}
+CACHED = {"tinyllama8", *FAMILY_MODELS}  # built once into the cache dir and reused; the others go to a temp dir
 METHOD = (
     "Identical greedy loop on both sides, each timed with perf_counter after one untimed warm-up run. "
     "prefill_s = prompt forward with KV cache + logits of the last position only (local: "
@@ -53,21 +99,30 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+def model_config(name: str) -> PretrainedConfig:
+    """The HF config of benchmark model `name` (MODELS' arguments plus SPECIAL_TOKENS)."""
+    config_class, kwargs = MODELS[name]
+    return config_class(**kwargs, **SPECIAL_TOKENS)
+
+
 def build_model(name: str, cache_root: Path, tmp_root: Path) -> Path:
-    """Write a random-weight Llama checkpoint for `name` (reusing a cached one) and return its directory."""
+    """Write a random-weight float32 checkpoint for `name` (reusing a cached one) and return its directory.
+
+    The model exists only inside this call: it is deleted and collected before returning, so that the
+    checkpoints of several models are never in memory together, nor with the local baseline loaded next.
+    """
     path = (cache_root if name in CACHED else tmp_root) / name
     if (path / "COMPLETE").exists():
         log(f"{name}: reusing {path}")
         return path
     log(f"{name}: building random checkpoint in {path}")
     torch.manual_seed(0)
-    config = LlamaConfig(**MODELS[name], bos_token_id=1, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(model_config(name), dtype=torch.float32)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    (path / "COMPLETE").write_text("ok\n")
     del model
     gc.collect()
+    (path / "COMPLETE").write_text("ok\n")
     return path
 
 
@@ -104,10 +159,29 @@ def greedy_loop(first_step, next_step, new_tokens: int) -> tuple[dict, list[int]
     return {"prefill_s": prefill, "decode_s_per_token": decode}, tokens
 
 
+def bench_local(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int) -> tuple[dict, list[int], bool, int]:
+    """Time the HF model in this process; also check the loop's tokens against HF generate.
+
+    Returns (timings, tokens, loop tokens == HF generate's, parameter count). The model is freed before this
+    returns (raises RuntimeError if something still holds it), so the swarm's servers never load their
+    blocks while a full local copy of the weights is still in memory.
+    """
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    n_params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    result, tokens, matches_generate = time_local(model, ids, new_tokens, repeats)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    if alive() is not None:
+        raise RuntimeError("the local model is still referenced; the swarm would start with a second copy in memory")
+    return result, tokens, matches_generate, n_params
+
+
 @torch.inference_mode()
-def bench_local(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int) -> tuple[dict, list[int], bool]:
-    """Time the HF model in this process; also check the loop's tokens against HF generate."""
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def time_local(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int
+) -> tuple[dict, list[int], bool]:
+    """The greedy loop timed on the HF `model`; returns (timings, tokens, loop tokens == HF generate's)."""
 
     def run_once():
         state = {}
@@ -127,7 +201,7 @@ def bench_local(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int) ->
     result, tokens = median_timings(run_once, repeats)
     generated = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     matches_generate = generated[0, ids.shape[1]:].tolist() == tokens
-    return result, tokens, matches_generate  # the caller collects the model before starting the swarm
+    return result, tokens, matches_generate
 
 
 @torch.inference_mode()
@@ -164,24 +238,38 @@ def bench_swarm(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int, nu
             result, tokens = median_timings(run_once, repeats)
             generated = model.generate(ids, max_new_tokens=new_tokens)
             matches_generate = generated[0, ids.shape[1]:].tolist() == tokens
+            result["servers_peak_rss_mb"] = [peak_rss_mb(server.pid) for server in servers]
         finally:
             model.shutdown()
     return result, tokens, matches_generate
 
 
+def peak_rss_mb(pid: int | None = None) -> float | None:
+    """Peak resident memory (MB) of process `pid` (VmHWM), or of this process when None; None if unreadable."""
+    if pid is None:
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # ru_maxrss is in KiB on Linux
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)  # "VmHWM:  123456 kB"
+    except OSError:
+        pass
+    return None
+
+
 def bench_model(name: str, args: argparse.Namespace, cache_root: Path, tmp_root: Path) -> dict:
     path = build_model(name, cache_root, tmp_root)
-    spec = MODELS[name]
-    ids = torch.randint(3, spec["vocab_size"], (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    config = model_config(name)
+    ids = torch.randint(3, config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     log(f"{name}: local HF ({args.repeats} repeats)")
-    local, local_tokens, local_gen_ok = bench_local(path, ids, args.new_tokens, args.repeats)
-    gc.collect()  # free the local model's memory before the servers load theirs
+    local, local_tokens, local_gen_ok, n_params = bench_local(path, ids, args.new_tokens, args.repeats)
     log(f"{name}: local {local['prefill_s']} s prefill, {local['decode_ms_per_token']} ms/token; starting swarm")
-    swarm, swarm_tokens, swarm_gen_ok = bench_swarm(path, ids, args.new_tokens, args.repeats, spec["num_hidden_layers"])
+    swarm, swarm_tokens, swarm_gen_ok = bench_swarm(path, ids, args.new_tokens, args.repeats, config.num_hidden_layers)
     log(f"{name}: swarm {swarm['prefill_s']} s prefill, {swarm['decode_ms_per_token']} ms/token")
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return {
-        "config": {**spec, "checkpoint_bytes": size},
+        "config": {"model_type": config.model_type, **MODELS[name][1], "parameters": n_params,
+                   "checkpoint_bytes": size},
         "local": local,
         "swarm": swarm,
         "ratios": {
@@ -192,6 +280,7 @@ def bench_model(name: str, args: argparse.Namespace, cache_root: Path, tmp_root:
         "tokens_equal": swarm_tokens == local_tokens,
         "local_loop_equals_hf_generate": local_gen_ok,
         "swarm_loop_equals_swarm_generate": swarm_gen_ok,
+        "bench_process_peak_rss_mb_so_far": peak_rss_mb(),  # this process: checkpoint build, local model, client
     }
 
 
@@ -201,20 +290,33 @@ def goals(results: dict) -> dict:
     return {
         "tinyllama8_decode_le_1.10x_local": None if big is None else big["ratios"]["decode"] <= 1.10,
         "tiny_decode_le_local_plus_2ms": None if tiny is None else tiny["decode_overhead_ms_per_token"] <= 2.0,
+        **{f"{name}_decode_le_1.10x_local": results[name]["ratios"]["decode"] <= 1.10
+           for name in FAMILY_MODELS if name in results},  # only the per-family models that were run
         "prefill_le_1.2x_local": {name: r["ratios"]["prefill"] <= 1.2 for name, r in results.items()},
     }
 
 
+def expand_models(spec: str) -> list[str]:
+    """A comma-separated --models value -> model names in order, shortcuts expanded, duplicates dropped."""
+    names: list[str] = []
+    for item in (n.strip() for n in spec.split(",")):
+        for name in SHORTCUTS.get(item, (item,) if item else ()):
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny,tinyllama8", help=f"comma-separated, from {sorted(MODELS)}")
+    parser.add_argument("--models", default="tiny,tinyllama8",
+                        help=f"comma-separated, from {list(MODELS)}; shortcuts: {sorted(SHORTCUTS)}")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (median reported)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length")
     parser.add_argument("--cache-dir", default=os.environ.get("COROLLA_BENCH_CACHE", "/tmp/corolla-bench"),
                         help="where the large checkpoints are built once and reused ($COROLLA_BENCH_CACHE)")
     args = parser.parse_args()
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    names = expand_models(args.models)
     unknown = [n for n in names if n not in MODELS]
     if unknown or args.repeats < 1 or args.new_tokens < 2 or args.prompt_tokens < 1:
         parser.error(f"unknown models {unknown}" if unknown else "need repeats >= 1, new-tokens >= 2, prompt-tokens >= 1")

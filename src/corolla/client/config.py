@@ -16,6 +16,7 @@ class ClientConfig:
     max_retries: int = 5  # attempts of one step or forward across failing servers before giving up
     min_backoff: float = 0.5  # seconds a failing peer is first banned for; doubles on each further failure
     max_backoff: float = 60.0  # cap on a peer's ban, seconds
+    unreachable_ban: float = 30.0  # seconds a peer that could not be dialed is skipped, at least
     missing_blocks_wait: float = 5.0  # seconds to wait for servers of uncovered blocks before MissingBlocks
     hop_cost: float = 0.002  # routing: seconds of overhead charged per server hop
     default_rtt: float = 0.05  # routing: assumed round trip to a server not measured yet, seconds

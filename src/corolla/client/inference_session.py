@@ -209,18 +209,23 @@ class InferenceSession:
             return opened
 
     def _after_failure(self, error: Exception, failures: int, span: Span) -> int:
-        """Ban the span's server for a retryable error and return the new failure count; re-raise anything else."""
+        """Ban the span's server for a retryable error and return the new failure count; re-raise anything else.
+
+        A server that cannot be dialed at all costs one fast failed dial and is skipped from then on, so it does not
+        count against max_retries (their number is bounded by the servers in the swarm).
+        """
         if not is_retryable(error):
             raise error
-        failures += 1
+        unreachable = isinstance(error, PeerUnreachable)
+        failures += 0 if unreachable else 1
         if failures > self.config.max_retries:
             raise PeerUnavailable(f"blocks {span.start}:{span.end} failed {failures} times; last error: {error}") from error
         logger.warning("server %s failed on blocks %d:%d (%s); routing around it", span.peer_id, span.start, span.end, error)
-        self.manager.ban(span.peer_id, unreachable=isinstance(error, PeerUnreachable))
+        self.manager.ban(span.peer_id, unreachable=unreachable)
         return failures
 
     async def _backoff(self, failures: int) -> None:
-        """The first retry goes at once (to a replica); later ones wait longer and re-read the swarm first."""
+        """Retries after the first failure go at once (to a replica); later ones wait longer and re-read the swarm."""
         if failures > 1:
             await asyncio.sleep(min(self.config.min_backoff * (failures - 1), 5.0))
         await self.manager.update(force=failures > 1)

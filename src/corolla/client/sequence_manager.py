@@ -5,8 +5,9 @@ All methods run on the client's event loop.
 Two kinds of failure are told apart:
 - a peer that answered badly or broke a stream is *banned* with exponential backoff, but a ban never makes a
   block unservable: when only banned peers hold a block, they are used anyway;
-- a peer that cannot even be dialed is *unreachable*: it is skipped outright (with the same backoff), so a dead
-  server whose DHT record has not expired yet leads to `MissingBlocks`, not to a hang.
+- a peer that cannot even be dialed (by a session, or by the background pings) is *unreachable*: it is skipped
+  outright for at least `unreachable_ban` seconds, so a dead server whose DHT record has not expired yet costs
+  one failed dial, and leads to `MissingBlocks` rather than a hang when nobody else holds its blocks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks
 from corolla.client.server_info import request_info
 from corolla.dht import SwarmNode, fetch_block_servers
-from corolla.protocol.errors import MissingBlocks, PeerUnavailable
+from corolla.protocol.errors import MissingBlocks, PeerUnavailable, PeerUnreachable
 from corolla.protocol.messages import ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class SequenceManager:
         self._bans: dict[str, _Ban] = {}
         self._update_lock = asyncio.Lock()
         self._pings: asyncio.Task[None] | None = None
+        self._probes: set[asyncio.Task[None]] = set()
         self._rng = random.Random()
 
     async def update(self, force: bool = False) -> None:
@@ -83,6 +85,8 @@ class SequenceManager:
             await request_info(self.node.p2p, peer_id, timeout=self.config.ping_timeout)
         except PeerUnavailable as e:
             logger.debug("ping to %s failed: %s", peer_id, e)
+            if isinstance(e, PeerUnreachable) and peer_id not in self.banned(unreachable_only=True):
+                self.ban(peer_id, unreachable=True)
             return
         sample = time.perf_counter() - begin
         previous = self.rtts.get(peer_id)
@@ -102,9 +106,24 @@ class SequenceManager:
         ban = self._bans.get(peer_id)
         failures = ban.failures + 1 if ban else 1
         duration = min(self.config.max_backoff, self.config.min_backoff * 2 ** (failures - 1))
+        if unreachable:
+            duration = max(duration, self.config.unreachable_ban)
         self._bans[peer_id] = _Ban(until=time.monotonic() + duration, failures=failures, unreachable=unreachable)
         logger.info("banned peer=%s for %.1fs after %d failure(s)%s", peer_id, duration, failures,
                     " (unreachable)" if unreachable else "")
+        if not unreachable:
+            self._probe(peer_id)
+
+    def _probe(self, peer_id: str) -> None:
+        """Ping a peer that just failed, in the background: if it is gone, it is marked unreachable before some
+        later route tries to dial it (its DHT record outlives it by up to the record's expiration)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the client's loop (unit tests): nothing to probe with
+            return
+        task = loop.create_task(self._ping(peer_id))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     def forgive(self, peer_id: str) -> None:
         """A successful request resets the peer's backoff."""
@@ -143,5 +162,6 @@ class SequenceManager:
             await self.update(force=True)
 
     async def close(self) -> None:
-        if self._pings is not None:
-            self._pings.cancel()
+        for task in [self._pings, *self._probes]:
+            if task is not None:
+                task.cancel()
