@@ -4,7 +4,8 @@ A session's KV cache is a list with one (keys, values) pair per hosted block, la
 
     keys[b], values[b]: (batch, n_kv_heads, max_length, head_dim)
 
-and written in place by each block at [position, position + T).
+and written in place by each block at [position, position + T). Single-token steps of different sessions over
+the same blocks can run together (`decode_batch`): each block then sees a `RaggedKV` of the rows' own caches.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from corolla.models.ragged import RaggedKV
+
 logger = logging.getLogger(__name__)
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+DecodeStep = tuple[torch.Tensor, KVCache, int, int, int]  # hidden (B, 1, H), cache, position, start, end
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,28 @@ class BlockStack:
                 part = self.blocks[index - self.start](part, cache[index - start], position + offset)
             outputs.append(part)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    @torch.inference_mode()
+    def decode_batch(self, steps: list[DecodeStep]) -> list[torch.Tensor]:
+        """Single-token steps of several sessions over the same blocks, as one batched forward per block.
+
+        steps[i] = (hidden (B_i, 1, H), that session's cache, its position, start, end), all with the same
+        [start, end). Returns each step's output (B_i, 1, H), equal to running it alone with `inference_step`.
+        """
+        if len(steps) == 1:  # nothing to batch with: the plain cached step, without gathering the keys
+            hidden, cache, position, start, end = steps[0]
+            return [self.inference_step(hidden, cache, position, start, end)]
+        start, end = steps[0][3], steps[0][4]
+        x = torch.cat([hidden.to(self.device, self.dtype) for hidden, *_ in steps])  # (sum B_i, 1, H)
+        rows = [(cache, row, position) for hidden, cache, position, _, _ in steps for row in range(hidden.shape[0])]
+        for index in range(start, end):
+            j = index - start
+            ragged = RaggedKV(
+                [(cache[j][0][row : row + 1], cache[j][1][row : row + 1]) for cache, row, _ in rows],
+                [position for _, _, position in rows],
+            )
+            x = self.blocks[index - self.start](x, ragged, 0)
+        return list(x.split([hidden.shape[0] for hidden, *_ in steps]))
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:

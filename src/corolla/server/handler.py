@@ -148,13 +148,17 @@ class ConnectionHandler:
                         ErrorCode.SESSION_FULL,
                         f"step would reach {new_position} tokens, past the session's max_length={message.max_length}",
                     )
-                try:
-                    output = await asyncio.wait_for(
-                        self.worker.run(
-                            PRIORITY_INFERENCE, self.stack.inference_step, hidden, cache, step.position, blocks.start, blocks.end
-                        ),
-                        self.config.step_timeout,
+                if hidden.shape[1] == 1:  # a decode step: batched with other sessions' steps over the same blocks
+                    work = self.worker.run_batched(
+                        PRIORITY_INFERENCE, self.stack.decode_batch, (blocks.start, blocks.end),
+                        (hidden, cache, step.position, blocks.start, blocks.end),
                     )
+                else:
+                    work = self.worker.run(
+                        PRIORITY_INFERENCE, self.stack.inference_step, hidden, cache, step.position, blocks.start, blocks.end
+                    )
+                try:
+                    output = await asyncio.wait_for(work, self.config.step_timeout)
                 except asyncio.TimeoutError:
                     raise RequestError(ErrorCode.TIMEOUT, f"step took more than {self.config.step_timeout:.0f}s") from None
                 position = new_position

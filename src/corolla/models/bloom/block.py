@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
+from corolla.models.ragged import RaggedKV
+
 logger = logging.getLogger(__name__)
 
 # BLOOM's tanh-GELU uses this truncated sqrt(2 / pi) (Megatron's constant), not the exact value.
@@ -131,6 +133,10 @@ class BloomAttention(nn.Module):
         q = qkv[..., 0, :].transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = qkv[..., 1, :].transpose(1, 2)  # (B, n_heads, T, head_dim)
         v = qkv[..., 2, :].transpose(1, 2)  # (B, n_heads, T, head_dim)
+        if isinstance(kv, RaggedKV):  # one token per row, each row its own session (continuous batching)
+            alibi = lambda length: self._bias(1, length, length - 1, x.dtype, x.device)  # noqa: E731 (1, n_heads, 1, L)
+            out = kv.attend(q, k, v, scale=self.scale, bias=alibi)  # (B, n_heads, 1, head_dim)
+            return self.dense(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
         if kv is not None:
             self._check_cache(kv, x, position)

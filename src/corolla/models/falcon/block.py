@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from corolla.models.llama.rotary import RotaryEmbedding, apply_rotary
+from corolla.models.ragged import RaggedKV
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +189,11 @@ class FalconAttention(nn.Module):
         """(B, T, H) -> (B, T, H); the contract is ``FalconBlock.forward``'s."""
         B, T, _ = x.shape
         q, k, v = self._split(self.query_key_value(x))  # q (B, n_heads, T, hd); k, v (B, n_kv_heads, T, hd)
+        if isinstance(kv, RaggedKV):  # one token per row, each row its own session (continuous batching)
+            cos, sin = kv.rotary(self.rotary, x.dtype, x.device)  # each (B, 1, 1, head_dim)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = kv.attend(q, k, v, scale=self.scale)  # (B, n_heads, 1, head_dim)
+            return self.dense(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         cos, sin = self.rotary(position, T, dtype=x.dtype, device=x.device)  # each (T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from corolla.models.llama.rotary import RotaryEmbedding, apply_rotary, head_dim_of
+from corolla.models.ragged import RaggedKV
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class LlamaAttention(nn.Module):
             mask = mask & (k_idx > q_idx - window)
         return mask
 
-    def forward(self, x: Tensor, kv: tuple[Tensor, Tensor] | None, position: int) -> Tensor:
+    def forward(self, x: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None, position: int) -> Tensor:
         """(B, T, H) -> (B, T, H); the contract is ``LlamaBlock.forward``'s."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
@@ -150,6 +151,11 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head over the last dim, shapes unchanged
+        if isinstance(kv, RaggedKV):  # one token per row, each row its own session (continuous batching)
+            cos, sin = kv.rotary(self.rotary, x.dtype, x.device)  # each (B, 1, 1, head_dim)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = kv.attend(q, k, v, scale=self.scale, window=self.sliding_window)  # (B, n_heads, 1, head_dim)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         cos, sin = self.rotary(position, T, dtype=x.dtype, device=x.device)  # each (T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
@@ -234,7 +240,7 @@ class LlamaBlock(nn.Module):
                 tensor.copy_(state[name])
         logger.debug("loaded block=%d tensors=%d", self.layer_idx, len(own))
 
-    def forward(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | None = None, position: int = 0) -> Tensor:
+    def forward(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None = None, position: int = 0) -> Tensor:
         """Run the block on ``hidden`` (B, T, H); returns (B, T, H) in the same dtype.
 
         ``kv = (k_cache, v_cache)``, each (B, n_kv_heads, S_max, head_dim) in the block's dtype and owned
@@ -242,6 +248,8 @@ class LlamaBlock(nn.Module):
         and the T queries attend causally to keys ``[0, position + T)`` (and within the sliding window, if
         the layer has one). Whatever the cache holds past ``position + T`` is ignored.
         ``kv=None``: causal attention over the T tokens alone, with rotary positions starting at ``position``.
+        ``kv`` a ``RaggedKV`` (T must be 1): row i is a token of its own session, at its own position and cache
+        (continuous batching); ``position`` is then unused.
         Raises ``ValueError`` if the cache does not fit (shape, dtype, or ``position + T > S_max``).
         """
         if position < 0:

@@ -183,8 +183,10 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` of shape (B, n_heads, T, D) by ``cos``/``sin`` of shape (T, D); same dtype as ``x``."""
-    cos, sin = cos[None, None], sin[None, None]  # (1, 1, T, D), broadcast over batch and heads
+    """Rotate ``x`` of shape (B, n_heads, T, D) by ``cos``/``sin`` of shape (T, D), or (B, 1, T, D) when each row
+    has its own positions; same dtype as ``x``."""
+    if cos.dim() == 2:
+        cos, sin = cos[None, None], sin[None, None]  # (1, 1, T, D), broadcast over batch and heads
     return (x * cos) + (rotate_half(x) * sin)
 
 

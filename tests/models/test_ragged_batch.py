@@ -1,0 +1,125 @@
+"""Continuous batching: one ragged step over several sessions equals stepping each session alone, for every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    FalconConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen3Config,
+)
+
+from corolla.models import get_family
+from corolla.models.ragged import RaggedKV
+
+BASE = dict(vocab_size=64, hidden_size=64, num_attention_heads=4, initializer_range=0.1)
+LLAMA = dict(BASE, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2)
+CONFIGS = {
+    "llama": LlamaConfig(**LLAMA),
+    "mistral-window3": MistralConfig(**LLAMA, sliding_window=3),
+    "qwen3": Qwen3Config(**LLAMA, head_dim=16),
+    "mixtral": MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2),
+    "bloom": BloomConfig(**BASE, n_layer=2),
+    "falcon-7b-style": FalconConfig(**BASE, num_hidden_layers=2, multi_query=True, new_decoder_architecture=False),
+    "falcon-40b-style": FalconConfig(**BASE, num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=2),
+}
+PROMPT_LENGTHS = (5, 1, 9)  # three sessions at different positions
+
+
+def blocks_of(config) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    state = AutoModelForCausalLM.from_config(config).eval().state_dict()
+    family = get_family(config)
+    blocks = []
+    for i in range(family.num_blocks(config)):
+        prefix = family.block_prefix(i)
+        block = family.block_class(config, i)
+        block.load_hf_state_dict({k[len(prefix):]: v for k, v in state.items() if family.canonical_name(k).startswith(prefix)})
+        blocks.append(block.eval())
+    return blocks
+
+
+def new_cache(config, batch: int, length: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    n_kv, head_dim = get_family(config).kv_layout(config)
+    return [(torch.zeros(batch, n_kv, length, head_dim), torch.zeros(batch, n_kv, length, head_dim)) for _ in range(2)]
+
+
+def run(blocks, x, kvs, position):
+    for block, kv in zip(blocks, kvs):
+        x = block(x, kv, position)
+    return x
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@torch.no_grad()
+def test_ragged_step_equals_each_session_alone(name):
+    config = CONFIGS[name]
+    blocks = blocks_of(config)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randn(1, n, 64, generator=gen) for n in PROMPT_LENGTHS]
+    tokens = torch.randn(len(prompts), 1, 64, generator=gen)  # the next token of each session
+
+    alone, batched_caches = [], []
+    for prompt, token in zip(prompts, tokens):
+        cache = new_cache(config, 1)
+        run(blocks, prompt, cache, 0)
+        batched_caches.append([(k.clone(), v.clone()) for k, v in cache])
+        alone.append(run(blocks, token[None], cache, prompt.shape[1]))
+
+    x = tokens
+    for j, block in enumerate(blocks):
+        ragged = RaggedKV([c[j] for c in batched_caches], [p.shape[1] for p in prompts])
+        x = block(x, ragged, 0)
+    torch.testing.assert_close(x, torch.cat(alone), atol=1e-5, rtol=0)
+    # the new keys/values landed in each session's own cache, where the next step finds them
+    n = PROMPT_LENGTHS[0]
+    solo_cache = new_cache(config, 1)
+    run(blocks, torch.cat([prompts[0], tokens[:1]], dim=1), solo_cache, 0)
+    torch.testing.assert_close(batched_caches[0][1][0][:, :, : n + 1], solo_cache[1][0][:, :, : n + 1], atol=1e-5, rtol=0)
+
+
+def test_ragged_rows_of_one_session_with_batch_two_write_their_own_rows():
+    config = CONFIGS["llama"]
+    blocks = blocks_of(config)
+    gen = torch.Generator().manual_seed(2)
+    prompt, token = torch.randn(2, 4, 64, generator=gen), torch.randn(2, 1, 64, generator=gen)
+    cache = new_cache(config, 2)
+    run(blocks, prompt, cache, 0)
+    batched = [(k.clone(), v.clone()) for k, v in cache]
+    expected = run(blocks, token, cache, 4)
+    x = token
+    for j, block in enumerate(blocks):
+        k, v = batched[j]
+        x = block(x, RaggedKV([(k[0:1], v[0:1]), (k[1:2], v[1:2])], [4, 4]), 0)
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(batched[1][0], cache[1][0], atol=1e-5, rtol=0)
+
+
+def test_ragged_rejects_positions_outside_the_cache():
+    k = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="outside a cache of length 4"):
+        RaggedKV([(k, k)], [4])
+
+
+@torch.no_grad()
+def test_server_decode_batch_equals_each_step_alone():
+    from corolla.server.backend import BlockStack, KVLayout
+
+    config = CONFIGS["qwen3"]
+    stack = BlockStack(blocks_of(config), 0, 64, KVLayout(*get_family(config).kv_layout(config)), torch.float32,
+                       torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    sessions = []
+    for batch, length in ((1, 3), (2, 6), (1, 1)):
+        cache = stack.allocate_cache(batch, 16, 0, 2)
+        stack.inference_step(torch.randn(batch, length, 64, generator=gen), cache, 0, 0, 2)
+        sessions.append((torch.randn(batch, 1, 64, generator=gen), cache, length))
+    copies = [[(k.clone(), v.clone()) for k, v in cache] for _, cache, _ in sessions]
+    batched = stack.decode_batch([(h, cache, pos, 0, 2) for h, cache, pos in sessions])
+    for (hidden, _, position), cache, out in zip(sessions, copies, batched):
+        torch.testing.assert_close(out, stack.inference_step(hidden, cache, position, 0, 2), atol=1e-5, rtol=0)
