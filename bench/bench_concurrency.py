@@ -77,7 +77,9 @@ def client_main(args: argparse.Namespace) -> int:
         token = model.head.logits(session.step(hidden)[:, -1:]).argmax(-1)  # prefill
         begin = time.time()
         for _ in range(args.new_tokens - 1):
-            token = model.head.logits(session.step(model.head.embed(token))).argmax(-1)[:, -1:]
+            output = session.step(model.head.embed(token))
+            if not args.servers_only:  # else the same token again: the LM head's cost stays out of the measurement
+                token = model.head.logits(output).argmax(-1)[:, -1:]
         end = time.time()
     print(json.dumps({"index": args.index, "decode_start": begin, "decode_end": end, "tokens": args.new_tokens - 1}))
     model.shutdown()
@@ -90,6 +92,7 @@ def run_sessions(count: int, path: Path, peers: list[str], args: argparse.Namesp
             subprocess.Popen(
                 [sys.executable, __file__, "--client", "--index", str(i), "--model-path", str(path), "--sync-dir", sync,
                  "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
+                 *(["--servers-only"] if args.servers_only else []),
                  "--initial-peers", *peers],
                 stdout=subprocess.PIPE, text=True, start_new_session=True,
             )
@@ -122,6 +125,9 @@ def main() -> int:
     parser.add_argument("--sessions", default="1,4,16")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--servers-only", action="store_true",
+                        help="clients skip the LM head during decode (each feeds its last token again): measures what "
+                             "the servers sustain when the clients' heads run on other machines")
     parser.add_argument("--cache-dir", default=None, help="where bench_generate.py keeps its checkpoints")
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -154,6 +160,7 @@ def main() -> int:
     by_count = {r["sessions"]: r for r in results}
     report = {
         "model": MODEL, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        "servers_only": args.servers_only,
         "local_batched": local, "swarm": results,
         "ratios_vs_local_batched": {str(c): round(r["aggregate_decode_tokens_per_s"] / local["decode_tokens_per_s"], 3)
                                     for c, r in by_count.items()},
