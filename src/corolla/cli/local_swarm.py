@@ -94,10 +94,11 @@ class LocalSwarm:
                 proc.popen.wait(timeout=10)
 
     def close(self, grace: float = 10.0) -> None:
-        """End every process group this swarm started: SIGTERM, then SIGKILL after `grace` seconds."""
+        """End every process this swarm started: SIGTERM to each leader (which shuts its own p2pd down, as on
+        Ctrl+C), then SIGKILL to each whole process group after `grace` seconds."""
         for proc in reversed(self.processes):
             if proc.alive():
-                proc.signal_group(signal.SIGTERM)
+                proc.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         for proc in reversed(self.processes):
             try:

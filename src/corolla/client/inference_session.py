@@ -22,7 +22,7 @@ from corolla.client.event_loop import run_sync
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.errors import PeerUnavailable, PeerUnreachable, RemoteError, SessionExpired
+from corolla.protocol.errors import AllocationFailed, PeerUnavailable, PeerUnreachable, RemoteError, SessionExpired
 from corolla.protocol.messages import (
     BlockRange,
     CloseSession,
@@ -219,6 +219,9 @@ class InferenceSession:
         unreachable = isinstance(error, PeerUnreachable)
         failures += 0 if unreachable else 1
         if failures > self.config.max_retries:
+            if isinstance(error, RemoteError) and error.code == ErrorCode.SERVER_FULL.value:
+                raise AllocationFailed(f"no server of blocks {span.start}:{span.end} could hold the session "
+                                       f"after {failures} attempts; last answer: {error}") from error
             raise PeerUnavailable(f"blocks {span.start}:{span.end} failed {failures} times; last error: {error}") from error
         logger.warning("server %s failed on blocks %d:%d (%s); routing around it", span.peer_id, span.start, span.end, error)
         self.manager.ban(span.peer_id, unreachable=unreachable)

@@ -43,7 +43,7 @@ class DistributedModelForCausalLM(nn.Module):
         self.generation_config = generation_config
         self.name_or_path = name_or_path
         self._node = node
-        self._active_session: InferenceSession | None = None
+        self._active = threading.local()  # per thread: the session of the innermost `with inference_session()`
 
     @property
     def dtype(self) -> torch.dtype:
@@ -65,17 +65,19 @@ class DistributedModelForCausalLM(nn.Module):
     def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
         """Open a KV-cached session on the servers; `generate` inside the block uses it unless given another."""
         session = self.transformer.inference_session(max_length, batch_size)
-        previous, self._active_session = self._active_session, session
+        previous = getattr(self._active, "session", None)
+        self._active.session = session
         try:
             yield session
         finally:
-            self._active_session = previous
+            self._active.session = previous
             session.close()
 
     def generate(self, input_ids: torch.LongTensor | None = None, **kwargs) -> torch.LongTensor:
         """HF-style generation; see corolla.client.generation.generate for the arguments."""
-        if kwargs.get("session") is None and self._active_session is not None:
-            kwargs["session"] = self._active_session
+        active = getattr(self._active, "session", None)
+        if kwargs.get("session") is None and active is not None:
+            kwargs["session"] = active
         return _generate(self, input_ids, **kwargs)
 
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@ is one Python process (plus the p2pd daemon hivemind spawns, which shares our pr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -14,6 +15,8 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
 logger = logging.getLogger(__name__)
+
+DHT_SHUTDOWN_TIMEOUT = 5.0  # seconds
 
 
 @dataclass(eq=False)
@@ -31,9 +34,15 @@ class SwarmNode:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 
     async def shutdown(self) -> None:
-        """Stop the DHT node and the p2pd daemon; safe to call twice."""
+        """Stop the DHT node and the p2pd daemon; safe to call twice.
+
+        The DHT node's shutdown never returns once p2pd is gone (e.g. a SIGTERM sent to the whole process group
+        reached it first), so it gets a few seconds, and p2pd is shut down in any case.
+        """
         try:
-            await self.dht.shutdown()
+            await asyncio.wait_for(self.dht.shutdown(), DHT_SHUTDOWN_TIMEOUT)
+        except asyncio.TimeoutError:
+            logger.warning("the DHT node did not stop within %.0fs (p2pd already gone?)", DHT_SHUTDOWN_TIMEOUT)
         finally:
             await self.p2p.shutdown()
 
