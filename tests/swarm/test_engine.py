@@ -126,14 +126,18 @@ def test_eight_concurrent_sessions_on_one_server_each_equal_their_solo_run(swarm
 
         def run(i: int) -> torch.Tensor:
             start.wait()
-            # the session object is passed explicitly: model.inference_session() would set the model's one shared
-            # "active session", which is not per thread
+            # the session object is passed explicitly (model.inference_session() would also work: it is per thread)
             with model.transformer.inference_session(max_length=prompts[i].shape[1] + NEW_TOKENS) as session:
                 return model.generate(prompts[i], max_new_tokens=NEW_TOKENS, session=session, streamer=WaitForAll(all_open))
 
+        before = server_info(model, peer)
         with ThreadPoolExecutor(NUM_SESSIONS) as pool:
             futures = [pool.submit(run, i) for i in range(NUM_SESSIONS)]
             together = [f.result(timeout=180) for f in futures]
+        after = server_info(model, peer)
+        batches, steps = after.decode_batches - before.decode_batches, after.decode_steps - before.decode_steps
+        assert steps == NUM_SESSIONS * (NEW_TOKENS - 1)  # every decode step went through the batcher...
+        assert batches < steps  # ...and some of them ran together (continuous batching across sessions)
 
         for i, (out, solo) in enumerate(zip(together, alone)):
             assert torch.equal(out, solo), f"prompt {i} differs when run alongside {NUM_SESSIONS - 1} others"

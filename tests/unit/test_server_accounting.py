@@ -1,4 +1,4 @@
-"""Cache accounting, the FIFO allocation queue, and block selection: exact outcomes on plain data."""
+"""Cache accounting and the FIFO allocation queue: exact outcomes on plain data."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-from corolla.server.block_selection import choose_best_blocks, parse_block_range
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.memory_cache import CacheBudget
 
@@ -58,17 +57,3 @@ def test_allocator_grants_in_arrival_order():
 
     asyncio.run(scenario())
 
-
-def test_parse_block_range_checks_bounds():
-    assert parse_block_range("2:5", 8) == (2, 5)
-    for bad in ("5:2", "0:9", "a:b", "3"):
-        with pytest.raises(ValueError):
-            parse_block_range(bad, 8)
-
-
-def test_new_server_takes_the_least_served_blocks():
-    assert choose_best_blocks(2, [10, 10, 0, 0, 10, 10]) == (2, 4)
-    assert choose_best_blocks(3, [5, 5, 5, 5]) == (0, 3)
-    assert choose_best_blocks(2, [0, 7, 0, 0]) == (2, 4)
-    with pytest.raises(ValueError):
-        choose_best_blocks(5, [0, 0])

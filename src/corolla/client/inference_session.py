@@ -36,7 +36,10 @@ from corolla.protocol.messages import (
 logger = logging.getLogger(__name__)
 
 # Server errors that a different server may not have; anything else (bad_request, session_full) is the caller's.
-RETRYABLE_CODES = {ErrorCode.TIMEOUT.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.INTERNAL.value, ErrorCode.SERVER_FULL.value}
+RETRYABLE_CODES = {
+    ErrorCode.TIMEOUT.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.INTERNAL.value, ErrorCode.SERVER_FULL.value,
+    ErrorCode.NOT_SERVED.value,
+}
 
 
 def is_retryable(error: Exception) -> bool:
@@ -225,6 +228,8 @@ class InferenceSession:
             raise PeerUnavailable(f"blocks {span.start}:{span.end} failed {failures} times; last error: {error}") from error
         logger.warning("server %s failed on blocks %d:%d (%s); routing around it", span.peer_id, span.start, span.end, error)
         self.manager.ban(span.peer_id, unreachable=unreachable)
+        if isinstance(error, RemoteError) and error.code == ErrorCode.NOT_SERVED.value:
+            self.manager.invalidate()  # that server moved: our view of the swarm is stale
         return failures
 
     async def _backoff(self, failures: int) -> None:

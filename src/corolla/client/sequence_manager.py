@@ -48,6 +48,7 @@ class SequenceManager:
         self.rtts: dict[str, float] = {}  # peer id -> smoothed round trip, seconds
         self._measured_at: dict[str, float] = {}
         self._bans: dict[str, _Ban] = {}
+        self._stale = False  # set by invalidate(): re-read the DHT at the next update
         self._update_lock = asyncio.Lock()
         self._pings: asyncio.Task[None] | None = None
         self._probes: set[asyncio.Task[None]] = set()
@@ -60,16 +61,21 @@ class SequenceManager:
         first update so the first route uses them, in the background afterwards so failover never waits on pings.
         """
         async with self._update_lock:
-            if not force and time.monotonic() - self.last_update < self.config.update_period:
+            if not force and not self._stale and time.monotonic() - self.last_update < self.config.update_period:
                 return
             first = self.last_update == -float("inf")
             self.block_servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_blocks))
             self.last_update = time.monotonic()
+            self._stale = False
             logger.debug("swarm view updated: %s", [len(s) for s in self.block_servers])
         if self._pings is None or self._pings.done():
             self._pings = asyncio.create_task(self._measure_rtts())
             if first:
                 await asyncio.wait({self._pings}, timeout=self.config.ping_timeout)
+
+    def invalidate(self) -> None:
+        """Make the next `update()` re-read the DHT (a server turned out to hold other blocks than we thought)."""
+        self._stale = True
 
     async def _measure_rtts(self) -> None:
         now = time.monotonic()

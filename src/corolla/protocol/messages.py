@@ -131,6 +131,8 @@ class InfoReply(_Message):
     dht_prefix: str
     hidden_size: int
     active_sessions: int
+    decode_batches: int = 0  # batched decode calls run so far, and the session steps they served (continuous batching)
+    decode_steps: int = 0
 
 
 # ---------------------------------------------------------------- errors
@@ -138,6 +140,7 @@ class ErrorCode(str, Enum):
     BAD_REQUEST = "bad_request"  # malformed message, wrong shape/dtype, unknown blocks
     SESSION_FULL = "session_full"  # past the session's max_length
     SERVER_FULL = "server_full"  # no cache could be reserved within the allocation timeout
+    NOT_SERVED = "not_served"  # the blocks are not (or no longer) held here: the client's view of the swarm is stale
     TIMEOUT = "timeout"  # session idle for too long, or a step took too long
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"

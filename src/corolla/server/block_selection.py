@@ -34,3 +34,56 @@ def choose_best_blocks(num_blocks: int, block_throughputs: Sequence[float]) -> t
         if cost < best_cost:
             best_start, best_cost = start, cost
     return best_start, best_start + num_blocks
+
+
+def should_move(
+    current: tuple[int, int], own_throughput: float, block_throughputs: Sequence[float], min_improvement: float
+) -> tuple[int, int] | None:
+    """The blocks this server should move to, or None to stay where it is.
+
+    `block_throughputs[i]` is the swarm's total throughput (tokens/s) at block i *including* this server, which
+    hosts `current` = [start, end) at `own_throughput`. The decision:
+
+    1. others = block_throughputs without our own contribution on `current`;
+    2. the candidate is `choose_best_blocks(end - start, others)`, the window a newcomer would take;
+    3. moved = others plus own_throughput on the candidate; m = min(block_throughputs), the weakest block now;
+       a block is *weak* when its throughput is at most m * (1 + min_improvement) (with m = 0: uncovered);
+    4. move when the candidate differs from `current`, min(moved) >= m, and moved has fewer weak blocks than
+       block_throughputs.
+
+    In particular the server moves when the candidate raises the swarm's minimum by more than a factor of
+    1 + min_improvement (then no block of `moved` is weak), and not for a smaller gain of a lone weakest block
+    (it stays weak). Counting weak blocks rather than comparing minima alone matters when several regions are
+    equally weak: three servers that started together on blocks 0:2 of 6 must spread to 2:4 and 4:6, yet the
+    first move alone leaves 4:6 uncovered and the minimum at 0.
+
+    Why servers cannot chase each other: every move raises (min, -number of weak blocks) lexicographically: either
+    the minimum rises, or it stays and the weak blocks, counted against the same threshold, become fewer. When
+    servers take turns deciding on a fresh view of the swarm, no placement can therefore come back, and since there
+    are finitely many placements, the moves stop. For two servers: after A moves, B taking A's old place and A
+    moving back would together restore an earlier placement, so at least one of those moves is refused. A server
+    that is the only holder of all its blocks never moves: the blocks it leaves become uncovered, at least as many
+    as it covers. Servers deciding at the same moment on stale views are not covered by this argument; the server
+    staggers its checks with a random jitter for that reason.
+    """
+    start, end = current
+    total = len(block_throughputs)
+    if not 0 <= start < end <= total:
+        raise ValueError(f"current blocks {start}:{end} are outside the model's {total} blocks")
+    if min_improvement < 0:
+        raise ValueError(f"min_improvement must be >= 0 (a negative margin lets servers oscillate), got {min_improvement}")
+    # max(0, ...): our own record may be missing from, or older than, the view we were given
+    others = [max(0.0, t - own_throughput) if start <= i < end else float(t) for i, t in enumerate(block_throughputs)]
+    target = choose_best_blocks(end - start, others)
+    if target == current:
+        return None
+    moved = [t + own_throughput if target[0] <= i < target[1] else t for i, t in enumerate(others)]
+    weakest = min(block_throughputs)
+    threshold = weakest * (1 + min_improvement)
+
+    def num_weak(throughputs: Sequence[float]) -> int:
+        return sum(t <= threshold for t in throughputs)
+
+    if min(moved) >= weakest and num_weak(moved) < num_weak(block_throughputs):
+        return target
+    return None

@@ -22,6 +22,20 @@ class ServerConfig:
     num_blocks: int | None = field(
         default=None, metadata=_opt("serve this many consecutive blocks, chosen where the swarm is weakest")
     )
+    balance_period: float = field(
+        default=120.0,
+        metadata=_opt(
+            "when the server chose its blocks (no --blocks): how often it checks whether moving to other blocks would "
+            "strengthen the swarm's weakest ones, seconds; 0 = never move"
+        ),
+    )
+    balance_quality: float = field(
+        default=0.2,
+        metadata=_opt(
+            "move only for a gain above this fraction of the weakest block's throughput (0.2: 20 percent); "
+            "the margin that keeps servers from chasing each other"
+        ),
+    )
     device: str = field(default="cpu", metadata=_opt("torch device for the blocks"))
     dtype: str = field(default="float32", metadata=_opt("dtype of the blocks: float32, bfloat16, float16"))
     quant: str = field(default="none", metadata=_opt("weight quantization", choices=("none", "int8", "nf4")))
@@ -37,6 +51,9 @@ class ServerConfig:
     expiration: float = field(default=90.0, metadata=_opt("lifetime of a DHT record, seconds"))
     throughput: float | None = field(
         default=None, metadata=_opt("announced throughput, tokens/s per block (default: measured and cached)")
+    )
+    max_batch_size: int = field(
+        default=64, metadata=_opt("most sessions' decode steps run together in one batched forward (continuous batching)")
     )
     max_chunk_tokens: int = field(
         default=2048, metadata=_opt("prefills longer than this many tokens (x batch) run in chunks")

@@ -68,9 +68,17 @@ class ConnectionHandler:
         self.shutting_down = False
         self.fault_armed = False  # set by SIGUSR1 when config.inject_fault is given (failure tests)
 
+    def _handlers(self) -> dict[str, Handler]:
+        return {"inference": self.rpc_inference, "forward": self.rpc_forward, "info": self.rpc_info}
+
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
-        for verb, handler in (("inference", self.rpc_inference), ("forward", self.rpc_forward), ("info", self.rpc_info)):
+        for verb, handler in self._handlers().items():
             await p2p.add_binary_stream_handler(rpc_handler_name(verb), _stream_adapter(handler))
+
+    async def unregister(self, p2p) -> None:
+        """Stop accepting new streams (the server is moving to other blocks); open sessions are ended elsewhere."""
+        for verb in self._handlers():
+            await p2p.remove_binary_stream_handler(rpc_handler_name(verb))
 
     # ------------------------------------------------------------------ rpc_info
     async def rpc_info(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
@@ -184,7 +192,7 @@ class ConnectionHandler:
     def _check_blocks(self, blocks: BlockRange) -> None:
         if blocks.start < self.stack.start or blocks.end > self.stack.end:
             raise RequestError(
-                ErrorCode.BAD_REQUEST, f"blocks {blocks} are not served here (this server holds {self.stack.start}:{self.stack.end})"
+                ErrorCode.NOT_SERVED, f"blocks {blocks} are not served here (this server holds {self.stack.start}:{self.stack.end})"
             )
 
     def _check_hidden(self, tensors: list[torch.Tensor], batch_size: int | None) -> torch.Tensor:

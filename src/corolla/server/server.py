@@ -1,6 +1,8 @@
 """The server process: load blocks, join the DHT, serve RPCs, announce, shut down cleanly.
 
 Lifecycle:  JOINING (record announced, weights loading) -> ONLINE ("serving blocks A:B") -> OFFLINE on stop.
+A server that chose its blocks itself checks every balance_period seconds whether other blocks would serve the swarm
+better (`should_move`); if so it goes OFFLINE for its blocks and through JOINING -> ONLINE again for the new ones.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import signal
 import time
 
@@ -22,7 +25,7 @@ from corolla.protocol.framing import DTYPES
 from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
 from corolla.server.announcer import Announcer
 from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.block_selection import choose_best_blocks, parse_block_range
+from corolla.server.block_selection import choose_best_blocks, parse_block_range, should_move
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
@@ -44,6 +47,10 @@ class Server:
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {config.dtype!r}")
         if not config.initial_peers and not config.new_swarm:
             raise ValueError("give --initial-peers of a running swarm, or --new-swarm to start one")
+        if config.balance_period < 0 or config.balance_quality < 0:
+            raise ValueError("--balance-period and --balance-quality must be >= 0")
+        if config.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {config.max_batch_size}")
         self.config = config
         self.dtype = DTYPES[config.dtype]
         self.device = torch.device(config.device)
@@ -53,11 +60,12 @@ class Server:
         self.prefix = config.dht_prefix or model_dht_prefix(config.model)
         self.state = ServerState.JOINING
         self.start_block = self.end_block = 0
-        self.throughput = 0.0
+        self.throughput = config.throughput or 0.0  # tokens/s per block; measured once the blocks load
         self.node: SwarmNode | None = None
         self.stack: BlockStack | None = None
         self.allocator: CacheAllocator | None = None
         self.handler: ConnectionHandler | None = None
+        self.worker: ComputeWorker | None = None
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -89,69 +97,131 @@ class Server:
             dht_prefix=self.prefix,
             hidden_size=self.model_config.hidden_size,
             active_sessions=len(self.handler.sessions),
+            decode_batches=self.worker.batches_run if self.worker else 0,
+            decode_steps=self.worker.batched_tasks if self.worker else 0,
         )
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        worker = ComputeWorker()
-        announcer_task: asyncio.Task[None] | None = None
+        worker = self.worker = ComputeWorker(max_batch=self.config.max_batch_size)
         announcer: Announcer | None = None
+        tasks: list[asyncio.Task[None]] = []
         try:
             self.node = await create_swarm_node(self.config.initial_peers, host=self.config.host, port=self.config.port)
-            maddrs = await self.node.maddrs()
             if self.config.new_swarm:
-                logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(maddrs))
+                logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(await self.node.maddrs()))
             self.start_block, self.end_block = await self._choose_blocks()
             announcer = Announcer(self.node.dht, self.prefix, self.node.peer_id, self.server_info, self.config.announce_period, self.config.expiration)
-            await announcer.announce()  # JOINING: others see the blocks are being taken
-            self.stack = await asyncio.get_running_loop().run_in_executor(None, self._load_blocks)
-            self.allocator = CacheAllocator(self._cache_tokens())
-            self.throughput = self.config.throughput or await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
-            self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply)
-            await self.handler.register(self.node.p2p)
-            self.state = ServerState.ONLINE
-            await announcer.announce()
-            logger.info(
-                "serving blocks %d:%d of %s as %s (dht prefix %s, cache %d tokens, %.1f tokens/s per block) at %s",
-                self.start_block, self.end_block, self.config.model, self.node.peer_id, self.prefix,
-                self.allocator.budget.total, self.throughput, " ".join(maddrs),
-            )
-            announcer_task = asyncio.create_task(announcer.run())
+            await self._serve_blocks(announcer, worker)
+            tasks.append(asyncio.create_task(announcer.run()))
+            if self.config.balance_period > 0 and not self.config.blocks:
+                tasks.append(asyncio.create_task(self._rebalance(announcer, worker)))
             if self.config.inject_fault:
                 asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self._arm_fault)
             await self._stop.wait()
         finally:
-            await self._shutdown(announcer, announcer_task, worker)
+            await self._shutdown(announcer, tasks, worker)
 
     def _arm_fault(self) -> None:
         assert self.handler is not None
         logger.warning("SIGUSR1: inference steps now %s (--inject-fault)", self.config.inject_fault)
         self.handler.fault_armed = True
 
-    async def _shutdown(self, announcer: Announcer | None, announcer_task: asyncio.Task[None] | None, worker: ComputeWorker) -> None:
+    async def _serve_blocks(self, announcer: Announcer, worker: ComputeWorker) -> None:
+        """JOINING -> load blocks start_block:end_block, open their cache and RPCs -> ONLINE ("serving blocks A:B")."""
+        assert self.node is not None
+        self.state = ServerState.JOINING
+        await announcer.announce()  # others see the blocks are being taken
+        self.stack = await asyncio.get_running_loop().run_in_executor(None, self._load_blocks)
+        self.allocator = CacheAllocator(self._cache_tokens())
+        if not self.throughput:
+            self.throughput = await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
+        self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply)
+        await self.handler.register(self.node.p2p)
+        self.state = ServerState.ONLINE
+        await announcer.announce()
+        logger.info(
+            "serving blocks %d:%d of %s as %s (dht prefix %s, cache %d tokens, %.1f tokens/s per block) at %s",
+            self.start_block, self.end_block, self.config.model, self.node.peer_id, self.prefix,
+            self.allocator.budget.total, self.throughput, " ".join(await self.node.maddrs()),
+        )
+
+    async def _leave_blocks(self, announcer: Announcer) -> None:
         """OFFLINE first, so that clients re-routing away from us do not pick us again; then end every session,
         each with a shutting_down reply that makes its client move it to another server."""
         self.state = ServerState.OFFLINE
         if self.handler is not None:
             self.handler.shutting_down = True
-        if announcer_task is not None:
-            announcer_task.cancel()
-        if announcer is not None:
-            try:
-                await asyncio.wait_for(announcer.announce(), 5.0)
-                logger.info("announced OFFLINE for blocks %d:%d", self.start_block, self.end_block)
-            except Exception as e:
-                logger.warning("could not announce OFFLINE: %s", e)
+        try:
+            # a periodic announce still in flight cannot undo this: the record with the later expiration wins
+            await asyncio.wait_for(announcer.announce(), 5.0)
+            logger.info("announced OFFLINE for blocks %d:%d", self.start_block, self.end_block)
+        except Exception as e:
+            logger.warning("could not announce OFFLINE: %r", e)
         if self.handler is not None:
             sessions = list(self.handler.sessions.values())
             for task in sessions:
                 task.cancel()
             await asyncio.wait(sessions, timeout=5.0) if sessions else None
+
+    async def _shutdown(self, announcer: Announcer | None, tasks: list[asyncio.Task[None]], worker: ComputeWorker) -> None:
+        """Stop the background tasks, leave our blocks (OFFLINE, sessions moved away), then close the node and worker."""
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.state = ServerState.OFFLINE
+        if announcer is not None:
+            await self._leave_blocks(announcer)
         if self.node is not None:
             await self.node.shutdown()
         worker.shutdown()
+
+    # ------------------------------------------------------------------ rebalancing
+    async def _rebalance(self, announcer: Announcer, worker: ComputeWorker) -> None:
+        """Every ~balance_period seconds, move to other blocks when `should_move` says that helps the swarm."""
+        while True:
+            # jitter: servers started together should not all decide on the same view of the swarm
+            await asyncio.sleep(self.config.balance_period * random.uniform(0.75, 1.25))
+            try:
+                target = await self._blocks_to_move_to()
+            except Exception as e:  # the DHT may be briefly unreachable; check again next period
+                logger.warning("rebalancing check failed: %s", e)
+                continue
+            if target is None:
+                continue
+            try:
+                await self._move(target, announcer, worker)
+            except Exception:  # we hold no blocks now: better to exit than to linger OFFLINE
+                logger.exception("could not move to blocks %d:%d; stopping", *target)
+                self.stop()
+                return
+
+    async def _blocks_to_move_to(self) -> tuple[int, int] | None:
+        current = (self.start_block, self.end_block)
+        throughputs = await self._swarm_throughputs()
+        for block in range(*current):
+            throughputs[block] += self.throughput  # our own share, whether or not the DHT shows our record yet
+        target = should_move(current, self.throughput, throughputs, self.config.balance_quality)
+        logger.debug("rebalance.check blocks=%d:%d swarm=%s target=%s", *current, throughputs, target)
+        if target is not None:
+            logger.info(
+                "rebalancing: moving from blocks %d:%d to %d:%d (swarm throughput per block: %s)",
+                *current, *target, [round(t, 1) for t in throughputs],
+            )
+        return target
+
+    async def _move(self, target: tuple[int, int], announcer: Announcer, worker: ComputeWorker) -> None:
+        """Leave the current blocks as a shutdown would (OFFLINE, sessions moved away), then serve `target`."""
+        assert self.node is not None and self.handler is not None
+        await self._leave_blocks(announcer)
+        # drop the old blocks before loading the new ones: both may not fit in memory at once. Until the new
+        # handler is registered, streams to us fail at once, and clients take them elsewhere.
+        await self.handler.unregister(self.node.p2p)
+        self.handler = self.stack = self.allocator = None
+        self.start_block, self.end_block = target
+        await self._serve_blocks(announcer, worker)
 
     # ------------------------------------------------------------------ setup steps
     async def _choose_blocks(self) -> tuple[int, int]:
@@ -159,14 +229,20 @@ class Server:
             return parse_block_range(self.config.blocks, self.num_model_blocks)
         num = self.config.num_blocks or self._default_num_blocks()
         num = min(num, self.num_model_blocks)
-        assert self.node is not None
-        servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_model_blocks))
-        throughputs = [
-            sum(info.throughput for info in by_peer.values() if info.state != ServerState.OFFLINE) for by_peer in servers
-        ]
+        throughputs = await self._swarm_throughputs()
         start, end = choose_best_blocks(num, throughputs)
         logger.info("chose blocks %d:%d (swarm throughput per block: %s)", start, end, [round(t, 1) for t in throughputs])
         return start, end
+
+    async def _swarm_throughputs(self) -> list[float]:
+        """Per block, the summed throughput (tokens/s) of the other servers announcing it, JOINING or ONLINE."""
+        assert self.node is not None
+        servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_model_blocks))
+        me = self.node.peer_id
+        return [
+            sum((i.throughput for peer, i in by_peer.items() if peer != me and i.state != ServerState.OFFLINE), 0.0)
+            for by_peer in servers
+        ]
 
     def _default_num_blocks(self) -> int:
         """As many blocks as fit in half of the available memory (all of them for small models)."""

@@ -1,0 +1,54 @@
+"""A server that chose its blocks itself moves when a region of the model loses its servers, and only then."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+from transformers import LlamaForCausalLM
+
+from conftest import SERVER_ARGS, wait_until
+from corolla import AutoDistributedModelForCausalLM
+from corolla.cli.local_swarm import LocalProcess, LocalSwarm
+
+PROMPT = torch.tensor([[1, 11, 22, 33, 44]])
+SPEED = ["--throughput", "10"]  # equal announced speeds make every choice below exact
+
+
+def served_ranges(proc: LocalProcess) -> list[str]:
+    """The A:B of every 'serving blocks A:B' line the server logged, in order."""
+    return [line.split("serving blocks ")[1].split()[0] for line in proc.log if "serving blocks " in line]
+
+
+def test_rebalance_moves_server_to_blocks_left_uncovered(tiny_llama_path, tmp_path):
+    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
+        peers = local.start_dht()
+        head = local.start_server(tiny_llama_path, ["--blocks", "0:2", *SERVER_ARGS, *SPEED], name="head", wait=False)
+        tail = local.start_server(tiny_llama_path, ["--blocks", "2:4", *SERVER_ARGS, *SPEED], name="tail", wait=False)
+        local.wait_ready(head)
+        local.wait_ready(tail)
+        # every block has throughput 10: the mover takes the earliest window, and a tie never makes it move
+        mover = local.start_server(
+            tiny_llama_path, ["--num-blocks", "2", "--balance-period", "1", *SERVER_ARGS, *SPEED], name="mover"
+        )
+        assert served_ranges(mover) == ["0:2"]
+        time.sleep(2.5)  # at least two rebalancing checks
+        assert served_ranges(mover) == ["0:2"] and "rebalancing" not in mover.tail(400)
+
+        reference = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+        expected = reference.generate(PROMPT, max_new_tokens=10, do_sample=False)
+        # a client that read the swarm before the move: its cached view still has the mover on 0:2
+        model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama_path, initial_peers=peers)
+        try:
+            assert torch.equal(model.generate(PROMPT, max_new_tokens=10), expected)
+
+            tail.popen.send_signal(signal.SIGTERM)  # the server alone, not its p2pd: it announces OFFLINE for 2:4
+            tail.popen.wait(timeout=30)
+            assert wait_until(lambda: served_ranges(mover) == ["0:2", "2:4"], timeout=20), mover.tail(60)
+            assert "rebalancing: moving from blocks 0:2 to 2:4" in mover.tail(400)
+
+            assert torch.equal(model.generate(PROMPT, max_new_tokens=10), expected)  # re-routes by itself
+        finally:
+            model.shutdown()
+        assert served_ranges(mover) == ["0:2", "2:4"]  # and it stays there

@@ -1,0 +1,126 @@
+"""Block selection and rebalancing: exact choices on plain per-block throughputs, and swarms that settle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from corolla.server.block_selection import choose_best_blocks, parse_block_range, should_move
+
+
+def test_parse_block_range_checks_bounds():
+    assert parse_block_range("2:5", 8) == (2, 5)
+    for bad in ("5:2", "0:9", "a:b", "3"):
+        with pytest.raises(ValueError):
+            parse_block_range(bad, 8)
+
+
+def test_new_server_takes_the_least_served_blocks():
+    assert choose_best_blocks(2, [10, 10, 0, 0, 10, 10]) == (2, 4)
+    assert choose_best_blocks(3, [5, 5, 5, 5]) == (0, 3)
+    assert choose_best_blocks(2, [0, 7, 0, 0]) == (2, 4)
+    with pytest.raises(ValueError):
+        choose_best_blocks(5, [0, 0])
+
+
+def test_server_doubling_up_on_covered_blocks_moves_to_the_uncovered_ones():
+    # we (10) and another server (10) both hold 0:2; nobody holds 2:4
+    assert should_move((0, 2), 10, [20, 20, 0, 0], 0.2) == (2, 4)
+
+
+def test_server_moves_to_a_weakly_served_region_when_the_minimum_rises_enough():
+    # without us: [20, 20, 5, 5]; moving makes the minimum 15 instead of 5
+    assert should_move((0, 2), 10, [30, 30, 5, 5], 0.2) == (2, 4)
+    # overlapping move: without us [10, 20, 5]; 1:3 lifts the minimum from 5 to 10
+    assert should_move((0, 2), 10, [20, 30, 5], 0.2) == (1, 3)
+
+
+def test_server_lifts_one_of_two_equally_weak_regions_even_though_the_minimum_stays():
+    # without us [15, 15, 5, 5, 5, 5]: moving to 2:4 leaves 4:6 at 5, but only two weak blocks instead of four
+    assert should_move((0, 2), 10, [25, 25, 5, 5, 5, 5], 0.2) == (2, 4)
+    assert should_move((0, 2), 10, [20, 20, 0, 0, 0, 0], 0.2) == (2, 4)
+
+
+def test_only_holder_of_its_blocks_never_leaves_them_uncovered():
+    assert should_move((2, 4), 10, [0, 0, 10, 10], 0.2) is None  # 0:2 is empty too, but leaving empties 2:4
+    assert should_move((0, 2), 10, [10, 10, 3, 3], 0.2) is None
+    assert should_move((1, 3), 10, [5, 10, 10], 0.0) is None
+
+
+def test_ties_and_small_gains_do_not_move():
+    assert should_move((0, 2), 10, [20, 20, 10, 10], 0.2) is None  # without us [10, 10, 10, 10]: no better window
+    # without us [10, 11, 10]: block 0 is as weak as ours, moving keeps the minimum at 10
+    assert should_move((2, 3), 2, [10, 11, 12], 0.2) is None
+    # without us [10, 11, 10.5]: moving lifts the minimum from 10 to 10.5, a 5% gain, under the 20% margin
+    assert should_move((2, 3), 5, [10, 11, 15.5], 0.2) is None
+    assert should_move((2, 3), 5, [10, 11, 15.5], 0.01) == (0, 1)
+
+
+def test_should_move_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        should_move((2, 5), 1, [0, 0, 0, 0], 0.2)
+    with pytest.raises(ValueError):
+        should_move((0, 1), 1, [1, 0], -0.1)
+
+
+def settle(num_blocks: int, servers: list[tuple[tuple[int, int], float]], min_improvement: float, max_rounds: int = 10):
+    """Servers take turns running should_move on the shared state until a full round moves no one.
+
+    Returns (placements seen, rounds taken). Asserts that every move raises (minimum, -number of weak blocks)
+    and that no placement ever repeats.
+    """
+    spans = [span for span, _ in servers]
+    throughputs = [t for _, t in servers]
+
+    def per_block() -> list[float]:
+        return [sum(t for (s, e), t in zip(spans, throughputs) if s <= b < e) for b in range(num_blocks)]
+
+    seen = [tuple(spans)]
+    for round_ in range(1, max_rounds + 1):
+        moved = False
+        for i in range(len(spans)):
+            before = per_block()
+            target = should_move(spans[i], throughputs[i], before, min_improvement)
+            if target is not None:
+                spans[i], moved = target, True
+                after, threshold = per_block(), min(before) * (1 + min_improvement)
+                weak_before, weak_after = (sum(t <= threshold for t in v) for v in (before, after))
+                assert min(after) > min(before) or (min(after) == min(before) and weak_after < weak_before)
+                assert tuple(spans) not in seen, f"placement {spans} came back"
+                seen.append(tuple(spans))
+        if not moved:
+            return seen, round_
+    raise AssertionError(f"no convergence in {max_rounds} rounds: {seen}")
+
+
+def test_three_servers_on_the_same_blocks_spread_out_and_stop():
+    seen, rounds = settle(6, [((0, 2), 10), ((0, 2), 10), ((0, 2), 10)], 0.2)
+    assert seen[-1] == ((2, 4), (4, 6), (0, 2))
+    assert rounds == 2  # one round of moves, one quiet round
+
+
+def test_two_servers_taking_turns_do_not_chase_each_other():
+    # A leaves B's blocks for the empty ones; B, without itself, finds its own blocks the weakest and stays
+    seen, rounds = settle(4, [((0, 2), 10), ((0, 2), 12)], 0.2)
+    assert seen == [((0, 2), (0, 2)), ((2, 4), (0, 2))] and rounds == 2
+    # overlapping spans and uneven speeds: the slow server's move does not pull the fast one after it
+    seen, rounds = settle(3, [((0, 2), 10), ((0, 2), 30), ((1, 3), 5)], 0.2)
+    assert seen == [((0, 2), (0, 2), (1, 3)), ((1, 3), (0, 2), (1, 3))] and rounds == 2
+
+
+def test_slow_server_moves_to_the_weakest_block_once_a_fast_one_has_left():
+    seen, _ = settle(5, [((0, 2), 10), ((0, 2), 10), ((0, 1), 3), ((3, 5), 4)], 0.2)
+    assert seen[-1] == ((2, 4), (0, 2), (4, 5), (3, 5))  # per block [10, 10, 10, 14, 7]: the minimum rose from 0
+
+
+def test_random_swarms_converge_without_revisiting_a_placement():
+    rng = random.Random(0)
+    for _ in range(300):
+        num_blocks = rng.randint(2, 8)
+        servers = []
+        for _ in range(rng.randint(2, 5)):
+            length = rng.randint(1, num_blocks)
+            start = rng.randint(0, num_blocks - length)
+            servers.append(((start, start + length), float(rng.choice([1, 5, 10, 12, 50]))))
+        settle(num_blocks, servers, rng.choice([0.0, 0.05, 0.2]), max_rounds=5)  # 3000 seeds: at most 4 rounds
