@@ -11,9 +11,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import (
+    ATOL,
+    VOCAB,
+    assert_bfloat16_close_to_hf,
+    assert_blocks_match_hf_layers,
+    assert_decode_steps_match_full_sequence,
+    assert_unchanged,
+    block_state,
+    load_ours,
+    make_caches,
+    make_reference,
+    run_stack,
+    token_ids,
+)
 from safetensors.torch import save_file
 from torch import Tensor
-from transformers import AutoModelForCausalLM, BloomConfig, DynamicCache
+from transformers import BloomConfig, DynamicCache
 from transformers.models.bloom import modeling_bloom
 
 from corolla.checkpoint.reader import load_tensors
@@ -25,11 +39,9 @@ from corolla.models.bloom import (
     bloom_gelu,
     canonical_name,
     is_head_tensor,
-    kv_layout,
 )
 
-ATOL = 1e-5
-VOCAB = 128
+NORM_NAMES = ("layernorm.weight", "ln_f.weight")  # re-drawn near 1 by make_reference
 
 # case id -> config overrides
 CASES: dict[str, dict] = {
@@ -49,75 +61,17 @@ def make_config(**overrides: object) -> BloomConfig:
     return BloomConfig(**{**base, **overrides})
 
 
-def make_reference(config: BloomConfig, seed: int = 0) -> torch.nn.Module:
-    """HF model with eager attention, eval mode, float32, weights N(0, 0.1) and LayerNorm weights near 1."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("layernorm.weight", "ln_f.weight")):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.1)
-    return model
-
-
-def load_ours(model: torch.nn.Module) -> tuple[list[BloomBlock], BloomClientHead]:
-    """Our blocks and head, loaded from the HF model's checkpoint names through the registry."""
-    config = model.config
-    family = get_family(config)
-    state = {family.canonical_name(k): v for k, v in model.state_dict().items()}
-    blocks = []
-    for i in range(family.num_blocks(config)):
-        prefix = family.block_prefix(i)
-        block = family.block_class(config, i)
-        block.load_hf_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-        blocks.append(block.eval())
-    head = family.head_class(config)
-    head.load_hf_state_dict({k: v for k, v in state.items() if family.is_head_tensor(k)})
-    return blocks, head.eval()
-
-
 @functools.cache
 def case(case_id: str) -> tuple[torch.nn.Module, list[BloomBlock], BloomClientHead]:
-    model = make_reference(make_config(**CASES[case_id]))
-    return (model, *load_ours(model))
-
-
-def token_ids(batch: int = 2, length: int = 15, seed: int = 1) -> Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def make_cache(config: BloomConfig, batch: int, s_max: int,
-               dtype: torch.dtype = torch.float32) -> list[tuple[Tensor, Tensor]]:
-    n_heads, head_dim = kv_layout(config)
-    return [(torch.zeros(batch, n_heads, s_max, head_dim, dtype=dtype),
-             torch.zeros(batch, n_heads, s_max, head_dim, dtype=dtype))
-            for _ in range(config.num_hidden_layers)]
-
-
-def run_stack(blocks: list[BloomBlock], head: BloomClientHead, ids: Tensor, *, position: int = 0,
-              caches: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
-    hidden = head.embed(ids)
-    for i, block in enumerate(blocks):
-        hidden = block(hidden, caches[i] if caches is not None else None, position)
-    return head.logits(hidden)
+    model = make_reference(make_config(**CASES[case_id]), norms=NORM_NAMES)
+    return (model, *load_ours(model.config, model.state_dict()))
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
 @torch.no_grad()
 def test_each_block_matches_its_hf_bloom_block(case_id: str) -> None:
     model, blocks, head = case(case_id)
-    layer_outputs: list[Tensor] = []
-    hooks = [layer.register_forward_hook(lambda _m, _a, out: layer_outputs.append(out[0]))
-             for layer in model.transformer.h]
-    ids = token_ids()
-    model(ids)
-    for hook in hooks:
-        hook.remove()
-    inputs = [head.embed(ids), *layer_outputs[:-1]]
-    for i, block in enumerate(blocks):
-        torch.testing.assert_close(block(inputs[i]), layer_outputs[i], atol=ATOL, rtol=0, msg=f"layer {i}")
+    assert_blocks_match_hf_layers(model, model.transformer.h, blocks, head)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -132,20 +86,14 @@ def test_stack_logits_match_hf_full_sequence(case_id: str) -> None:
 @torch.no_grad()
 def test_block_decode_steps_match_full_sequence(case_id: str) -> None:
     model, blocks, head = case(case_id)
-    ids = token_ids(length=15)
-    expected = model(ids).logits  # (B, 15, V)
-    caches = make_cache(model.config, batch=2, s_max=32)
-    chunks = [(0, 7), *[(t, t + 1) for t in range(7, 12)], (12, 15)]  # prefill 7, five single steps, a 3-token chunk
-    for start, end in chunks:
-        got = run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
-        torch.testing.assert_close(got, expected[:, start:end], atol=ATOL, rtol=0, msg=f"tokens [{start}, {end})")
+    assert_decode_steps_match_full_sequence(model, blocks, head, make_caches(model.config, batch=2, s_max=32))
 
 
 @torch.no_grad()
 def test_block_decode_steps_match_hf_incremental_decoding() -> None:
     model, blocks, head = case("bloom-6-heads")
     ids = token_ids(length=12)
-    hf_cache, caches = DynamicCache(config=model.config), make_cache(model.config, batch=2, s_max=16)
+    hf_cache, caches = DynamicCache(config=model.config), make_caches(model.config, batch=2, s_max=16)
     for start, end in [(0, 5), *[(t, t + 1) for t in range(5, 9)], (9, 12)]:
         expected = model(ids[:, start:end], past_key_values=hf_cache, use_cache=True).logits
         got = run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
@@ -157,7 +105,7 @@ def test_block_decode_steps_match_hf_incremental_decoding() -> None:
 def test_block_without_cache_at_a_later_position_equals_the_cached_result(case_id: str) -> None:
     model, blocks, head = case(case_id)
     ids = token_ids(length=6)
-    cached = run_stack(blocks, head, ids, caches=make_cache(model.config, batch=2, s_max=8))
+    cached = run_stack(blocks, head, ids, caches=make_caches(model.config, batch=2, s_max=8))
     uncached = run_stack(blocks, head, ids, position=5)  # ALiBi is relative: the offset only changes rounding
     torch.testing.assert_close(uncached, cached, atol=ATOL, rtol=0)
     torch.testing.assert_close(uncached, model(ids).logits, atol=ATOL, rtol=0)
@@ -176,19 +124,8 @@ def test_bloom_gelu_matches_hf() -> None:
 @torch.no_grad()
 def test_block_runs_in_bfloat16_close_to_hf_bfloat16() -> None:
     model, _, _ = case("bloom-6-heads")
-    model_bf16 = make_reference(model.config).to(torch.bfloat16)
-    blocks, head = load_ours(model_bf16)
-    blocks, head = [b.to(torch.bfloat16) for b in blocks], head.to(torch.bfloat16)
-    ids = token_ids()
-    got = run_stack(blocks, head, ids)
-    assert got.dtype == torch.bfloat16
-    caches = make_cache(model.config, batch=2, s_max=16, dtype=torch.bfloat16)
-    stepped = torch.cat([run_stack(blocks, head, ids[:, :8], caches=caches),
-                         *[run_stack(blocks, head, ids[:, t:t + 1], position=t, caches=caches) for t in range(8, 10)],
-                         run_stack(blocks, head, ids[:, 10:], position=10, caches=caches)], dim=1)
-    expected = model_bf16(ids).logits.float()
-    torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.05)
-    torch.testing.assert_close(stepped.float(), expected, atol=0.1, rtol=0.05)
+    model_bf16 = make_reference(model.config, norms=NORM_NAMES).to(torch.bfloat16)
+    assert_bfloat16_close_to_hf(model_bf16, chunks=[(0, 8), (8, 9), (9, 10), (10, 15)])
 
 
 @torch.no_grad()
@@ -290,28 +227,23 @@ def _hf_causal(length: int) -> Tensor:
 
 def test_block_load_names_missing_and_unexpected_keys_and_modifies_nothing() -> None:
     model, _, _ = case("bloom")
-    prefix = "transformer.h.0."
-    state = {k[len(prefix):]: v for k, v in model.state_dict().items() if k.startswith(prefix)}
+    state = block_state(model.state_dict(), get_family(model.config), 0)
     state.pop("self_attention.dense.bias")
     state["self_attention.rotary_emb.inv_freq"] = torch.zeros(8)
     block = BloomBlock(model.config, 0)
-    before = {k: v.clone() for k, v in block.state_dict().items()}
     expected = r"missing keys \['self_attention.dense.bias'\].*unexpected keys \['self_attention.rotary_emb.inv_freq'\]"
-    with pytest.raises(ValueError, match=expected):
+    with assert_unchanged(block), pytest.raises(ValueError, match=expected):
         block.load_hf_state_dict(state)
-    assert all(torch.equal(before[k], v) for k, v in block.state_dict().items())
 
 
 def test_block_load_names_a_shape_mismatch_and_modifies_nothing() -> None:
     model, _, _ = case("bloom")
-    prefix = "transformer.h.0."
-    state = {k[len(prefix):]: v for k, v in model.state_dict().items() if k.startswith(prefix)}
+    state = block_state(model.state_dict(), get_family(model.config), 0)
     state["self_attention.query_key_value.weight"] = torch.zeros(3 * 64, 32)
     block = BloomBlock(model.config, 0)
-    before = {k: v.clone() for k, v in block.state_dict().items()}
-    with pytest.raises(ValueError, match=r"self_attention.query_key_value.weight has shape \(192, 32\)"):
+    expected = r"self_attention.query_key_value.weight has shape \(192, 32\)"
+    with assert_unchanged(block), pytest.raises(ValueError, match=expected):
         block.load_hf_state_dict(state)
-    assert all(torch.equal(before[k], v) for k, v in block.state_dict().items())
 
 
 def test_head_load_names_missing_and_unexpected_keys() -> None:
@@ -327,7 +259,7 @@ def test_head_load_names_missing_and_unexpected_keys() -> None:
 
 def test_block_rejects_caches_that_do_not_fit() -> None:
     model, blocks, _ = case("bloom")
-    k_cache, v_cache = make_cache(model.config, batch=1, s_max=8)[0]
+    k_cache, v_cache = make_caches(model.config, batch=1, s_max=8)[0]
     x = torch.zeros(1, 3, 64)
     with pytest.raises(ValueError, match="exceed the cache length 8"):
         blocks[0](x, (k_cache, v_cache), position=6)

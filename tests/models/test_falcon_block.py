@@ -10,14 +10,26 @@ import functools
 
 import pytest
 import torch
+from reference import (
+    ATOL,
+    VOCAB,
+    assert_bfloat16_close_to_hf,
+    assert_blocks_match_hf_layers,
+    assert_decode_steps_match_full_sequence,
+    assert_unchanged,
+    block_state,
+    load_ours,
+    make_caches,
+    make_reference,
+    run_stack,
+    token_ids,
+)
 from torch import Tensor
-from transformers import AutoModelForCausalLM, FalconConfig
+from transformers import FalconConfig
 
 from corolla.models import ModelFamily, get_family
-from corolla.models.falcon import FalconBlock, FalconClientHead, kv_layout
+from corolla.models.falcon import FalconBlock, FalconClientHead
 
-ATOL = 1e-5
-VOCAB = 128
 NORM_NAMES = ("input_layernorm.weight", "post_attention_layernorm.weight", "ln_attn.weight", "ln_mlp.weight",
               "ln_f.weight")
 
@@ -46,78 +58,22 @@ def make_config(**overrides: object) -> FalconConfig:
     return FalconConfig(**{**base, **overrides})
 
 
-def make_reference(config: FalconConfig, seed: int = 0) -> torch.nn.Module:
-    """HF model with eager attention, eval mode, float32, weights N(0, 0.1) and norm weights near 1."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(NORM_NAMES):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.1)
-    return model
-
-
-def load_ours(model: torch.nn.Module) -> tuple[list[FalconBlock], FalconClientHead]:
-    """Our blocks and head, loaded from the HF model's checkpoint names through the registry."""
-    config = model.config
-    family = get_family(config)
-    state = model.state_dict()
-    blocks = []
-    for i in range(family.num_blocks(config)):
-        prefix = family.block_prefix(i)
-        block = family.block_class(config, i)
-        block.load_hf_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-        blocks.append(block.eval())
-    head = family.head_class(config)
-    head.load_hf_state_dict({k: v for k, v in state.items() if family.is_head_tensor(k)})
-    return blocks, head.eval()
-
-
 @functools.cache
 def case(case_id: str) -> tuple[torch.nn.Module, list[FalconBlock], FalconClientHead]:
-    model = make_reference(make_config(**CASES[case_id]))
-    return (model, *load_ours(model))
+    model = make_reference(make_config(**CASES[case_id]), norms=NORM_NAMES)
+    return (model, *load_ours(model.config, model.state_dict()))
 
 
-def token_ids(batch: int = 2, length: int = 15, seed: int = 1) -> Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def make_cache(config: FalconConfig, batch: int, s_max: int) -> list[tuple[Tensor, Tensor]]:
-    n_kv_heads, head_dim = kv_layout(config)
-    return [(torch.zeros(batch, n_kv_heads, s_max, head_dim), torch.zeros(batch, n_kv_heads, s_max, head_dim))
-            for _ in range(config.num_hidden_layers)]
-
-
-def run_stack(blocks: list[FalconBlock], head: FalconClientHead, ids: Tensor, *, position: int = 0,
-              caches: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
-    hidden = head.embed(ids)
-    for i, block in enumerate(blocks):
-        hidden = block(hidden, caches[i] if caches is not None else None, position)
-    return head.logits(hidden)
-
-
-def block_state(model: torch.nn.Module, index: int = 0) -> dict[str, Tensor]:
-    prefix = f"transformer.h.{index}."
-    return {k[len(prefix):]: v for k, v in model.state_dict().items() if k.startswith(prefix)}
+def layer0_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """Block 0's checkpoint tensors, with the block prefix stripped."""
+    return block_state(model.state_dict(), get_family(model.config), 0)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
 @torch.no_grad()
 def test_each_block_matches_its_hf_decoder_layer(case_id: str) -> None:
     model, blocks, head = case(case_id)
-    layer_outputs: list[Tensor] = []
-    hooks = [layer.register_forward_hook(lambda _m, _a, out: layer_outputs.append(out[0]))
-             for layer in model.transformer.h]
-    ids = token_ids()
-    model(ids)
-    for hook in hooks:
-        hook.remove()
-    inputs = [head.embed(ids), *layer_outputs[:-1]]
-    for i, block in enumerate(blocks):
-        torch.testing.assert_close(block(inputs[i]), layer_outputs[i], atol=ATOL, rtol=0, msg=f"layer {i}")
+    assert_blocks_match_hf_layers(model, model.transformer.h, blocks, head)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -132,14 +88,9 @@ def test_stack_logits_match_hf_full_sequence(case_id: str) -> None:
 @torch.no_grad()
 def test_block_decode_steps_match_full_sequence(case_id: str) -> None:
     model, blocks, head = case(case_id)
-    ids = token_ids(length=15)
-    expected = model(ids).logits  # (B, 15, V)
-    caches = make_cache(model.config, batch=2, s_max=32)
+    caches = make_caches(model.config, batch=2, s_max=32)
     assert caches[0][0].shape == (2, KV_HEADS[case_id], 32, 16)
-    chunks = [(0, 7), *[(t, t + 1) for t in range(7, 12)], (12, 15)]  # prefill 7, five single steps, a 3-token chunk
-    for start, end in chunks:
-        got = run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
-        torch.testing.assert_close(got, expected[:, start:end], atol=ATOL, rtol=0, msg=f"tokens [{start}, {end})")
+    assert_decode_steps_match_full_sequence(model, blocks, head, caches)
 
 
 @pytest.mark.parametrize("case_id", ["7b-multi-query", "40b-grouped-kv2-untied", "mha-sequential-bias"])
@@ -154,18 +105,7 @@ def test_block_without_cache_starts_rotary_at_given_position(case_id: str) -> No
 @torch.no_grad()
 def test_block_runs_in_bfloat16_close_to_hf_bfloat16() -> None:
     model, _, _ = case("40b-grouped-kv2-untied")
-    model_bf16 = make_reference(model.config).to(torch.bfloat16)
-    blocks, head = load_ours(model_bf16)
-    blocks, head = [b.to(torch.bfloat16) for b in blocks], head.to(torch.bfloat16)
-    ids = token_ids()
-    got = run_stack(blocks, head, ids)
-    assert got.dtype == torch.bfloat16
-    caches = [(k.bfloat16(), v.bfloat16()) for k, v in make_cache(model.config, batch=2, s_max=16)]
-    stepped = torch.cat([run_stack(blocks, head, ids[:, :8], caches=caches),
-                         run_stack(blocks, head, ids[:, 8:], position=8, caches=caches)], dim=1)
-    expected = model_bf16(ids).logits.float()
-    torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.05)
-    torch.testing.assert_close(stepped.float(), expected, atol=0.1, rtol=0.05)
+    assert_bfloat16_close_to_hf(make_reference(model.config, norms=NORM_NAMES).to(torch.bfloat16))
 
 
 @torch.no_grad()
@@ -197,7 +137,7 @@ def test_untied_head_uses_its_own_lm_head_and_requires_it() -> None:
 
 def test_block_load_names_missing_and_unexpected_keys() -> None:
     model, _, _ = case("7b-multi-query-bias")
-    state = block_state(model)
+    state = layer0_state(model)
     state.pop("self_attention.query_key_value.bias")
     state["ln_mlp.weight"] = torch.ones(64)  # the 7B layout has one shared input_layernorm
     expected = r"missing keys \['self_attention.query_key_value.bias'\].*unexpected keys \['ln_mlp.weight'\]"
@@ -208,18 +148,17 @@ def test_block_load_names_missing_and_unexpected_keys() -> None:
 def test_block_load_rejects_a_shape_mismatch_and_modifies_nothing() -> None:
     model, _, _ = case("7b-multi-query")
     grouped_model, _, _ = case("11b-grouped-one-layernorm")  # same names, wider fused QKV (4 + 2 * 2 heads)
-    state = block_state(model)
-    state["self_attention.query_key_value.weight"] = block_state(grouped_model)["self_attention.query_key_value.weight"]
+    state = layer0_state(model)
+    state["self_attention.query_key_value.weight"] = layer0_state(grouped_model)["self_attention.query_key_value.weight"]
     block = FalconBlock(model.config, 0)
-    before = {k: v.clone() for k, v in block.state_dict().items()}
-    with pytest.raises(ValueError, match=r"self_attention.query_key_value.weight has shape \(128, 64\)"):
+    expected = r"self_attention.query_key_value.weight has shape \(128, 64\)"
+    with assert_unchanged(block), pytest.raises(ValueError, match=expected):
         block.load_hf_state_dict(state)
-    assert all(torch.equal(before[k], v) for k, v in block.state_dict().items())
 
 
 def test_block_rejects_a_cache_too_short_or_with_the_wrong_head_count() -> None:
     model, blocks, _ = case("7b-multi-query")
-    k_cache, v_cache = make_cache(model.config, batch=1, s_max=8)[0]
+    k_cache, v_cache = make_caches(model.config, batch=1, s_max=8)[0]
     with pytest.raises(ValueError, match="exceed the cache length 8"):
         blocks[0](torch.zeros(1, 3, 64), (k_cache, v_cache), position=6)
     mha_cache = torch.zeros(1, 4, 8, 16)  # one kv head per query head: not the multi-query layout

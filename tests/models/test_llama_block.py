@@ -10,9 +10,20 @@ import functools
 
 import pytest
 import torch
-from torch import Tensor
+from reference import (
+    ATOL,
+    VOCAB,
+    assert_bfloat16_close_to_hf,
+    assert_blocks_match_hf_layers,
+    assert_decode_steps_match_full_sequence,
+    block_state,
+    load_ours,
+    make_caches,
+    make_reference,
+    run_stack,
+    token_ids,
+)
 from transformers import (
-    AutoModelForCausalLM,
     DynamicCache,
     LlamaConfig,
     MistralConfig,
@@ -30,8 +41,6 @@ from corolla.models.llama import (
     kv_layout,
 )
 
-ATOL = 1e-5
-VOCAB = 128
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
 }
@@ -68,73 +77,18 @@ def make_config(model_type: str, **overrides: object) -> PretrainedConfig:
     return CONFIG_CLASSES[model_type](**{**base, **overrides})
 
 
-def make_reference(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
-    """HF model with eager attention, eval mode, float32, weights N(0, 0.1) and norm weights near 1."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.1)
-    return model
-
-
-def load_ours(model: torch.nn.Module) -> tuple[list[LlamaBlock], LlamaClientHead]:
-    """Our blocks and head, loaded from the HF model's checkpoint names through the registry."""
-    config = model.config
-    family = get_family(config)
-    state = model.state_dict()
-    blocks = []
-    for i in range(family.num_blocks(config)):
-        prefix = family.block_prefix(i)
-        block = family.block_class(config, i)
-        block.load_hf_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-        blocks.append(block.eval())
-    head = family.head_class(config)
-    head.load_hf_state_dict({k: v for k, v in state.items() if family.is_head_tensor(k)})
-    return blocks, head.eval()
-
-
 @functools.cache
 def case(case_id: str) -> tuple[torch.nn.Module, list[LlamaBlock], LlamaClientHead]:
     model_type, overrides = CASES[case_id]
     model = make_reference(make_config(model_type, **overrides))
-    return (model, *load_ours(model))
-
-
-def token_ids(batch: int = 2, length: int = 15, seed: int = 1) -> Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def make_cache(config: PretrainedConfig, batch: int, s_max: int) -> list[tuple[Tensor, Tensor]]:
-    n_kv_heads, head_dim = kv_layout(config)
-    return [(torch.zeros(batch, n_kv_heads, s_max, head_dim), torch.zeros(batch, n_kv_heads, s_max, head_dim))
-            for _ in range(config.num_hidden_layers)]
-
-
-def run_stack(blocks: list[LlamaBlock], head: LlamaClientHead, ids: Tensor, *, position: int = 0,
-              caches: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
-    hidden = head.embed(ids)
-    for i, block in enumerate(blocks):
-        hidden = block(hidden, caches[i] if caches is not None else None, position)
-    return head.logits(hidden)
+    return (model, *load_ours(model.config, model.state_dict()))
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
 @torch.no_grad()
 def test_each_block_matches_its_hf_decoder_layer(case_id: str) -> None:
     model, blocks, head = case(case_id)
-    layer_outputs: list[Tensor] = []
-    hooks = [layer.register_forward_hook(lambda _m, _a, out: layer_outputs.append(out)) for layer in model.model.layers]
-    ids = token_ids()
-    model(ids)
-    for hook in hooks:
-        hook.remove()
-    inputs = [head.embed(ids), *layer_outputs[:-1]]
-    for i, block in enumerate(blocks):
-        torch.testing.assert_close(block(inputs[i]), layer_outputs[i], atol=ATOL, rtol=0, msg=f"layer {i}")
+    assert_blocks_match_hf_layers(model, model.model.layers, blocks, head)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -149,13 +103,7 @@ def test_stack_logits_match_hf_full_sequence(case_id: str) -> None:
 @torch.no_grad()
 def test_block_decode_steps_match_full_sequence(case_id: str) -> None:
     model, blocks, head = case(case_id)
-    ids = token_ids(length=15)
-    expected = model(ids).logits  # (B, 15, V)
-    caches = make_cache(model.config, batch=2, s_max=32)
-    chunks = [(0, 7), *[(t, t + 1) for t in range(7, 12)], (12, 15)]  # prefill 7, five single steps, a 3-token chunk
-    for start, end in chunks:
-        got = run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
-        torch.testing.assert_close(got, expected[:, start:end], atol=ATOL, rtol=0, msg=f"tokens [{start}, {end})")
+    assert_decode_steps_match_full_sequence(model, blocks, head, make_caches(model.config, batch=2, s_max=32))
 
 
 @pytest.mark.parametrize("case_id", ["llama", "mistral-window4", "rope-yarn", "qwen3"])
@@ -171,11 +119,11 @@ def test_block_without_cache_starts_rotary_at_given_position(case_id: str) -> No
 def test_dynamic_rope_past_max_positions_matches_hf_full_and_incremental() -> None:
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     model = make_reference(make_config("llama", max_position_embeddings=8, rope_parameters=rope))
-    blocks, head = load_ours(model)
+    blocks, head = load_ours(model.config, model.state_dict())
     ids = token_ids(length=14)
     torch.testing.assert_close(run_stack(blocks, head, ids), model(ids).logits, atol=ATOL, rtol=0)
 
-    hf_cache, caches = DynamicCache(config=model.config), make_cache(model.config, batch=2, s_max=16)
+    hf_cache, caches = DynamicCache(config=model.config), make_caches(model.config, batch=2, s_max=16)
     for start, end in [(0, 6), *[(t, t + 1) for t in range(6, 12)], (12, 14)]:  # crosses max_position_embeddings
         expected = model(ids[:, start:end], past_key_values=hf_cache, use_cache=True).logits
         got = run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
@@ -215,18 +163,7 @@ def test_rope_inverse_frequencies_equal_hf_bit_for_bit(variant: str, seq_len: in
 @torch.no_grad()
 def test_block_runs_in_bfloat16_close_to_hf_bfloat16(case_id: str) -> None:
     model, _, _ = case(case_id)
-    model_bf16 = make_reference(model.config).to(torch.bfloat16)
-    blocks, head = load_ours(model_bf16)
-    blocks, head = [b.to(torch.bfloat16) for b in blocks], head.to(torch.bfloat16)
-    ids = token_ids()
-    got = run_stack(blocks, head, ids)
-    assert got.dtype == torch.bfloat16
-    caches = [(k.bfloat16(), v.bfloat16()) for k, v in make_cache(model.config, batch=2, s_max=16)]
-    stepped = torch.cat([run_stack(blocks, head, ids[:, :8], caches=caches),
-                         run_stack(blocks, head, ids[:, 8:], position=8, caches=caches)], dim=1)
-    expected = model_bf16(ids).logits.float()
-    torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.05)
-    torch.testing.assert_close(stepped.float(), expected, atol=0.1, rtol=0.05)
+    assert_bfloat16_close_to_hf(make_reference(model.config).to(torch.bfloat16))
 
 
 @torch.no_grad()
@@ -256,7 +193,7 @@ def test_untied_head_uses_its_own_lm_head_and_requires_it() -> None:
 
 def test_block_load_names_missing_and_unexpected_keys() -> None:
     model, _, _ = case("qwen2")
-    state = {k[len("model.layers.0."):]: v for k, v in model.state_dict().items() if k.startswith("model.layers.0.")}
+    state = block_state(model.state_dict(), get_family(model.config), 0)
     state.pop("self_attn.q_proj.bias")
     state["self_attn.o_proj.bias"] = torch.zeros(64)  # Qwen2 has no o_proj bias
     expected = r"missing keys \['self_attn.q_proj.bias'\].*unexpected keys \['self_attn.o_proj.bias'\]"
@@ -266,7 +203,7 @@ def test_block_load_names_missing_and_unexpected_keys() -> None:
 
 def test_qwen3_block_requires_its_query_and_key_norms() -> None:
     model, blocks, _ = case("qwen3")
-    state = {k[len("model.layers.0."):]: v for k, v in model.state_dict().items() if k.startswith("model.layers.0.")}
+    state = block_state(model.state_dict(), get_family(model.config), 0)
     assert {"self_attn.q_norm.weight", "self_attn.k_norm.weight"} <= set(blocks[0].state_dict())
     state.pop("self_attn.k_norm.weight")
     with pytest.raises(ValueError, match=r"missing keys \['self_attn.k_norm.weight'\], unexpected keys \[\]"):
@@ -275,7 +212,7 @@ def test_qwen3_block_requires_its_query_and_key_norms() -> None:
 
 def test_block_rejects_a_cache_too_short_for_the_positions() -> None:
     _, blocks, _ = case("llama")
-    k_cache, v_cache = make_cache(blocks[0].self_attn.rotary.config, batch=1, s_max=8)[0]
+    k_cache, v_cache = make_caches(blocks[0].self_attn.rotary.config, batch=1, s_max=8)[0]
     with pytest.raises(ValueError, match="exceed the cache length 8"):
         blocks[0](torch.zeros(1, 3, 64), (k_cache, v_cache), position=6)
 

@@ -12,17 +12,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import (
+    ATOL,
+    VOCAB,
+    assert_bfloat16_close_to_hf,
+    assert_blocks_match_hf_layers,
+    assert_decode_steps_match_full_sequence,
+    assert_unchanged,
+    block_state,
+    load_ours,
+    make_caches,
+    make_reference,
+    run_stack,
+    token_ids,
+)
 from safetensors.torch import load_file
 from torch import Tensor
-from transformers import AutoModelForCausalLM, MixtralConfig
+from transformers import MixtralConfig
 
 from corolla.models import ModelFamily, get_family
 from corolla.models.llama import LlamaClientHead
-from corolla.models.mixtral import MixtralBlock, kv_layout
+from corolla.models.mixtral import MixtralBlock
 from corolla.models.mixtral.block import MixtralExperts
 
-ATOL = 1e-5
-VOCAB = 128
 N_EXPERTS = 4
 INNER = 48
 
@@ -44,42 +56,9 @@ def make_config(**overrides: object) -> MixtralConfig:
     return MixtralConfig(**{**base, **overrides})
 
 
-def make_reference(config: MixtralConfig, seed: int = 0) -> torch.nn.Module:
-    """HF model with eager attention and experts, eval, float32, weights N(0, 0.1), norm weights near 1."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
-    model.eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.1)
-    return model
-
-
-def block_state(state: dict[str, Tensor], family: ModelFamily, index: int) -> dict[str, Tensor]:
-    """Block ``index``'s tensors of a full checkpoint, with the block prefix stripped."""
-    prefix = family.block_prefix(index)
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-
-
-def load_ours(config: MixtralConfig, state: dict[str, Tensor]) -> tuple[list[MixtralBlock], LlamaClientHead]:
-    """Our blocks and head, loaded from a checkpoint under its full names through the registry."""
-    family = get_family(config)
-    blocks = []
-    for i in range(family.num_blocks(config)):
-        block = family.block_class(config, i)
-        block.load_hf_state_dict(block_state(state, family, i))
-        blocks.append(block.eval())
-    head = family.head_class(config)
-    head.load_hf_state_dict({k: v for k, v in state.items() if family.is_head_tensor(k)})
-    return blocks, head.eval()
-
-
 @functools.cache
 def case(case_id: str) -> tuple[torch.nn.Module, list[MixtralBlock], LlamaClientHead]:
-    model = make_reference(make_config(**CASES[case_id]))
+    model = make_reference(make_config(**CASES[case_id]), experts_implementation="eager")
     return (model, *load_ours(model.config, model.state_dict()))
 
 
@@ -96,37 +75,11 @@ def saved_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mixtral")
 
 
-def token_ids(batch: int = 2, length: int = 15, seed: int = 1) -> Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def make_cache(config: MixtralConfig, batch: int, s_max: int) -> list[tuple[Tensor, Tensor]]:
-    n_kv_heads, head_dim = kv_layout(config)
-    return [(torch.zeros(batch, n_kv_heads, s_max, head_dim), torch.zeros(batch, n_kv_heads, s_max, head_dim))
-            for _ in range(config.num_hidden_layers)]
-
-
-def run_stack(blocks: list[MixtralBlock], head: LlamaClientHead, ids: Tensor, *, position: int = 0,
-              caches: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
-    hidden = head.embed(ids)
-    for i, block in enumerate(blocks):
-        hidden = block(hidden, caches[i] if caches is not None else None, position)
-    return head.logits(hidden)
-
-
 @pytest.mark.parametrize("case_id", list(CASES))
 @torch.no_grad()
 def test_each_block_matches_its_hf_decoder_layer(case_id: str) -> None:
     model, blocks, head = case(case_id)
-    layer_outputs: list[Tensor] = []
-    hooks = [layer.register_forward_hook(lambda _m, _a, out: layer_outputs.append(out)) for layer in model.model.layers]
-    ids = token_ids()
-    model(ids)
-    for hook in hooks:
-        hook.remove()
-    inputs = [head.embed(ids), *layer_outputs[:-1]]
-    for i, block in enumerate(blocks):
-        torch.testing.assert_close(block(inputs[i]), layer_outputs[i], atol=ATOL, rtol=0, msg=f"layer {i}")
+    assert_blocks_match_hf_layers(model, model.model.layers, blocks, head)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -154,13 +107,7 @@ def test_stack_logits_match_hf_full_sequence(case_id: str) -> None:
 @torch.no_grad()
 def test_block_decode_steps_match_full_sequence(case_id: str) -> None:
     model, blocks, head = case(case_id)
-    ids = token_ids(length=15)
-    expected = model(ids).logits  # (B, 15, V)
-    caches = make_cache(model.config, batch=2, s_max=32)
-    chunks = [(0, 7), *[(t, t + 1) for t in range(7, 12)], (12, 15)]  # prefill 7, five single steps, a 3-token chunk
-    for start, end in chunks:
-        got = run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
-        torch.testing.assert_close(got, expected[:, start:end], atol=ATOL, rtol=0, msg=f"tokens [{start}, {end})")
+    assert_decode_steps_match_full_sequence(model, blocks, head, make_caches(model.config, batch=2, s_max=32))
 
 
 @torch.no_grad()
@@ -220,12 +167,10 @@ def test_block_load_names_missing_and_unexpected_per_expert_keys(saved_dir: Path
     state.pop("block_sparse_moe.experts.3.w3.weight")
     state["block_sparse_moe.experts.4.w1.weight"] = torch.zeros(INNER, 64)  # only 4 experts: 0..3
     block = MixtralBlock(model.config, 0)
-    before = {k: v.clone() for k, v in block.state_dict().items()}
     expected = (r"missing keys \['block_sparse_moe.experts.3.w3.weight'\], "
                 r"unexpected keys \['block_sparse_moe.experts.4.w1.weight'\]")
-    with pytest.raises(ValueError, match=expected):
+    with assert_unchanged(block), pytest.raises(ValueError, match=expected):
         block.load_hf_state_dict(state)
-    assert all(torch.equal(v, before[k]) for k, v in block.state_dict().items())
 
 
 def test_block_load_rejects_mixed_layouts_and_wrong_shapes() -> None:
@@ -258,15 +203,4 @@ def test_get_family_serves_mixtral_with_the_llama_head() -> None:
 @torch.no_grad()
 def test_block_runs_in_bfloat16_close_to_hf_bfloat16() -> None:
     model, _, _ = case("4experts-top2")
-    model_bf16 = make_reference(model.config).to(torch.bfloat16)
-    blocks, head = load_ours(model_bf16.config, model_bf16.state_dict())
-    blocks, head = [b.to(torch.bfloat16) for b in blocks], head.to(torch.bfloat16)
-    ids = token_ids()
-    got = run_stack(blocks, head, ids)
-    assert got.dtype == torch.bfloat16
-    caches = [(k.bfloat16(), v.bfloat16()) for k, v in make_cache(model.config, batch=2, s_max=16)]
-    stepped = torch.cat([run_stack(blocks, head, ids[:, :8], caches=caches),
-                         run_stack(blocks, head, ids[:, 8:], position=8, caches=caches)], dim=1)
-    expected = model_bf16(ids).logits.float()
-    torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.05)
-    torch.testing.assert_close(stepped.float(), expected, atol=0.1, rtol=0.05)
+    assert_bfloat16_close_to_hf(make_reference(model.config, experts_implementation="eager").to(torch.bfloat16))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import load_blocks, make_caches, run_blocks
 from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
@@ -32,27 +33,9 @@ PROMPT_LENGTHS = (5, 1, 9)  # three sessions at different positions
 
 
 def blocks_of(config) -> list[torch.nn.Module]:
+    """Our blocks with HF's own random init (``initializer_range=0.1``), loaded through the registry."""
     torch.manual_seed(0)
-    state = AutoModelForCausalLM.from_config(config).eval().state_dict()
-    family = get_family(config)
-    blocks = []
-    for i in range(family.num_blocks(config)):
-        prefix = family.block_prefix(i)
-        block = family.block_class(config, i)
-        block.load_hf_state_dict({k[len(prefix):]: v for k, v in state.items() if family.canonical_name(k).startswith(prefix)})
-        blocks.append(block.eval())
-    return blocks
-
-
-def new_cache(config, batch: int, length: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    n_kv, head_dim = get_family(config).kv_layout(config)
-    return [(torch.zeros(batch, n_kv, length, head_dim), torch.zeros(batch, n_kv, length, head_dim)) for _ in range(2)]
-
-
-def run(blocks, x, kvs, position):
-    for block, kv in zip(blocks, kvs):
-        x = block(x, kv, position)
-    return x
+    return load_blocks(config, AutoModelForCausalLM.from_config(config).eval().state_dict())
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -66,10 +49,10 @@ def test_ragged_step_equals_each_session_alone(name):
 
     alone, batched_caches = [], []
     for prompt, token in zip(prompts, tokens):
-        cache = new_cache(config, 1)
-        run(blocks, prompt, cache, 0)
+        cache = make_caches(config, 1, s_max=16)
+        run_blocks(blocks, prompt, cache, 0)
         batched_caches.append([(k.clone(), v.clone()) for k, v in cache])
-        alone.append(run(blocks, token[None], cache, prompt.shape[1]))
+        alone.append(run_blocks(blocks, token[None], cache, prompt.shape[1]))
 
     x = tokens
     for j, block in enumerate(blocks):
@@ -78,8 +61,8 @@ def test_ragged_step_equals_each_session_alone(name):
     torch.testing.assert_close(x, torch.cat(alone), atol=1e-5, rtol=0)
     # the new keys/values landed in each session's own cache, where the next step finds them
     n = PROMPT_LENGTHS[0]
-    solo_cache = new_cache(config, 1)
-    run(blocks, torch.cat([prompts[0], tokens[:1]], dim=1), solo_cache, 0)
+    solo_cache = make_caches(config, 1, s_max=16)
+    run_blocks(blocks, torch.cat([prompts[0], tokens[:1]], dim=1), solo_cache, 0)
     torch.testing.assert_close(batched_caches[0][1][0][:, :, : n + 1], solo_cache[1][0][:, :, : n + 1], atol=1e-5, rtol=0)
 
 
@@ -88,10 +71,10 @@ def test_ragged_rows_of_one_session_with_batch_two_write_their_own_rows():
     blocks = blocks_of(config)
     gen = torch.Generator().manual_seed(2)
     prompt, token = torch.randn(2, 4, 64, generator=gen), torch.randn(2, 1, 64, generator=gen)
-    cache = new_cache(config, 2)
-    run(blocks, prompt, cache, 0)
+    cache = make_caches(config, 2, s_max=16)
+    run_blocks(blocks, prompt, cache, 0)
     batched = [(k.clone(), v.clone()) for k, v in cache]
-    expected = run(blocks, token, cache, 4)
+    expected = run_blocks(blocks, token, cache, 4)
     x = token
     for j, block in enumerate(blocks):
         k, v = batched[j]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
+from corolla.models.common import check_kv_cache, load_exact_state, write_kv_cache
 from corolla.models.ragged import RaggedKV
 
 logger = logging.getLogger(__name__)
@@ -96,19 +97,6 @@ class BloomAttention(nn.Module):
         self.query_key_value = nn.Linear(hidden, 3 * hidden, bias=True)
         self.dense = nn.Linear(hidden, hidden, bias=True)
 
-    def _check_cache(self, kv: tuple[Tensor, Tensor], x: Tensor, position: int) -> None:
-        """Raise ``ValueError`` unless ``kv`` fits this block, ``x``, and ``[position, position + T)``."""
-        B, T, _ = x.shape
-        for name, cache in zip(("k_cache", "v_cache"), kv):
-            expected = (B, self.n_heads, self.head_dim)
-            if cache.dim() != 4 or (cache.shape[0], cache.shape[1], cache.shape[3]) != expected:
-                raise ValueError(f"{name} has shape {tuple(cache.shape)}, expected (B, n_kv_heads, S_max, head_dim) "
-                                 f"with (B, n_kv_heads, head_dim)={expected}")
-            if cache.dtype != x.dtype:
-                raise ValueError(f"{name} dtype {cache.dtype} differs from the hidden states' {x.dtype}")
-            if position + T > cache.shape[2]:
-                raise ValueError(f"positions [{position}, {position + T}) exceed the cache length {cache.shape[2]}")
-
     def _bias(self, T: int, kv_len: int, position: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """Additive attention bias (1, n_heads, T, kv_len): ALiBi plus ``-inf`` on future keys.
 
@@ -139,12 +127,8 @@ class BloomAttention(nn.Module):
             return self.dense(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
         if kv is not None:
-            self._check_cache(kv, x, position)
-            k_cache, v_cache = kv
-            k_cache[:, :, position : position + T] = k  # (B, n_heads, T, head_dim) into (B, n_heads, S_max, hd)
-            v_cache[:, :, position : position + T] = v
-            k = k_cache[:, :, : position + T]  # (B, n_heads, position + T, head_dim), a view
-            v = v_cache[:, :, : position + T]
+            check_kv_cache(kv, x, position, self.n_heads, self.head_dim)  # one kv head per query head
+            k, v = write_kv_cache(kv, k, v, position)  # each (B, n_heads, position + T, head_dim), a view
 
         bias = self._bias(T, k.shape[2], position, x.dtype, x.device)  # (1, n_heads, T, kv_len)
         # SDPA adds the bias to scale * q k^T and takes the softmax with float32 accumulation in half
@@ -194,16 +178,7 @@ class BloomBlock(nn.Module):
         the first shape mismatch; on error nothing is modified.
         """
         own = self.state_dict()
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"block {self.layer_idx}: missing keys {missing}, unexpected keys {unexpected}")
-        for name, tensor in own.items():
-            if tuple(state[name].shape) != tuple(tensor.shape):
-                raise ValueError(f"block {self.layer_idx}: {name} has shape {tuple(state[name].shape)}, "
-                                 f"expected {tuple(tensor.shape)}")
-        with torch.no_grad():
-            for name, tensor in own.items():
-                tensor.copy_(state[name])
+        load_exact_state(own, state, f"block {self.layer_idx}")
         logger.debug("loaded block=%d tensors=%d", self.layer_idx, len(own))
 
     def forward(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | None = None, position: int = 0) -> Tensor:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
+
+from corolla.models.common import load_exact_state
 
 logger = logging.getLogger(__name__)
 
@@ -70,21 +71,11 @@ class BloomClientHead(nn.Module):
         device. Raises ``ValueError`` naming missing/unexpected keys or a shape mismatch; on error
         nothing is modified.
         """
-        expected = set(_HEAD_TENSORS) - ({"lm_head.weight"} if self.tied else set())
-        given = set(state) - ({"lm_head.weight"} if self.tied else set())
-        missing, unexpected = sorted(expected - given), sorted(given - expected)
-        if missing or unexpected:
-            raise ValueError(f"client head: missing keys {missing}, unexpected keys {unexpected}")
+        ignored = {"lm_head.weight"} if self.tied else set()  # tied: the embeddings serve as LM head
         own = self.state_dict()
-        for name in sorted(expected):
-            target = own[_HEAD_TENSORS[name]]
-            if tuple(state[name].shape) != tuple(target.shape):
-                raise ValueError(f"client head: {name} has shape {tuple(state[name].shape)}, "
-                                 f"expected {tuple(target.shape)}")
-        with torch.no_grad():
-            for name in sorted(expected):
-                own[_HEAD_TENSORS[name]].copy_(state[name])
-        logger.debug("loaded client head tied=%s tensors=%d", self.tied, len(expected))
+        targets = {name: own[_HEAD_TENSORS[name]] for name in sorted(_HEAD_TENSORS) if name not in ignored}
+        load_exact_state(targets, state, "client head", ignored=ignored)
+        logger.debug("loaded client head tied=%s tensors=%d", self.tied, len(targets))
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """Token ids (B, T) int64 -> normalized embeddings (B, T, H) in the head's dtype: the word

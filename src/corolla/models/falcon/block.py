@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
+from corolla.models.common import check_kv_cache, load_exact_state, write_kv_cache
 from corolla.models.llama.rotary import RotaryEmbedding, apply_rotary
 from corolla.models.ragged import RaggedKV
 
@@ -135,20 +136,6 @@ class FalconLinear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-def _check_cache(kv: tuple[Tensor, Tensor], x: Tensor, position: int, n_kv_heads: int, head_dim: int) -> None:
-    """Raise ``ValueError`` unless ``kv`` fits ``(n_kv_heads, head_dim)``, ``x``, and ``[position, position + T)``."""
-    B, T, _ = x.shape
-    for name, cache in zip(("k_cache", "v_cache"), kv, strict=True):
-        expected = (B, n_kv_heads, head_dim)
-        if cache.dim() != 4 or (cache.shape[0], cache.shape[1], cache.shape[3]) != expected:
-            raise ValueError(f"{name} has shape {tuple(cache.shape)}, expected (B, n_kv_heads, S_max, head_dim) "
-                             f"with (B, n_kv_heads, head_dim)={expected}")
-        if cache.dtype != x.dtype:
-            raise ValueError(f"{name} dtype {cache.dtype} differs from the hidden states' {x.dtype}")
-        if position + T > cache.shape[2]:
-            raise ValueError(f"positions [{position}, {position + T}) exceed the cache length {cache.shape[2]}")
-
-
 class FalconAttention(nn.Module):
     """Multi-query / grouped / multi-head self-attention with a fused QKV projection, rotary positions and
     an optional caller-owned KV cache.
@@ -198,12 +185,8 @@ class FalconAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         if kv is not None:
-            _check_cache(kv, x, position, self.n_kv_heads, self.head_dim)
-            k_cache, v_cache = kv
-            k_cache[:, :, position : position + T] = k  # (B, n_kv_heads, T, head_dim) into (B, n_kv_heads, S_max, hd)
-            v_cache[:, :, position : position + T] = v
-            k = k_cache[:, :, : position + T]  # (B, n_kv_heads, position + T, head_dim), a view
-            v = v_cache[:, :, : position + T]
+            check_kv_cache(kv, x, position, self.n_kv_heads, self.head_dim)
+            k, v = write_kv_cache(kv, k, v, position)  # each (B, n_kv_heads, position + T, head_dim), a view
 
         kv_len = k.shape[2]
         mask = None
@@ -272,16 +255,7 @@ class FalconBlock(nn.Module):
         the first shape mismatch; on error nothing is modified.
         """
         own = self.state_dict()
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"block {self.layer_idx}: missing keys {missing}, unexpected keys {unexpected}")
-        for name, tensor in own.items():
-            if tuple(state[name].shape) != tuple(tensor.shape):
-                raise ValueError(f"block {self.layer_idx}: {name} has shape {tuple(state[name].shape)}, "
-                                 f"expected {tuple(tensor.shape)}")
-        with torch.no_grad():
-            for name, tensor in own.items():
-                tensor.copy_(state[name])
+        load_exact_state(own, state, f"block {self.layer_idx}")
         logger.debug("loaded block=%d tensors=%d layout=%s", self.layer_idx, len(own), self.layout)
 
     def forward(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | None = None, position: int = 0) -> Tensor:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
+from corolla.models.common import check_kv_cache, load_exact_state, write_kv_cache
 from corolla.models.llama.rotary import RotaryEmbedding, apply_rotary, head_dim_of
 from corolla.models.ragged import RaggedKV
 
@@ -115,19 +116,6 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, float(config.rms_norm_eps))
         self.rotary = RotaryEmbedding(config)
 
-    def _check_cache(self, kv: tuple[Tensor, Tensor], x: Tensor, position: int) -> None:
-        """Raise ``ValueError`` unless ``kv`` fits this block, ``x``, and ``[position, position + T)``."""
-        B, T, _ = x.shape
-        for name, cache in zip(("k_cache", "v_cache"), kv):
-            expected = (B, self.n_kv_heads, self.head_dim)
-            if cache.dim() != 4 or (cache.shape[0], cache.shape[1], cache.shape[3]) != expected:
-                raise ValueError(f"{name} has shape {tuple(cache.shape)}, expected (B, n_kv_heads, S_max, head_dim) "
-                                 f"with (B, n_kv_heads, head_dim)={expected}")
-            if cache.dtype != x.dtype:
-                raise ValueError(f"{name} dtype {cache.dtype} differs from the hidden states' {x.dtype}")
-            if position + T > cache.shape[2]:
-                raise ValueError(f"positions [{position}, {position + T}) exceed the cache length {cache.shape[2]}")
-
     def _mask(self, T: int, kv_len: int, device: torch.device) -> Tensor | None:
         """Boolean (T, kv_len) mask, True = may attend, or ``None`` when nothing needs masking.
 
@@ -160,12 +148,8 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         if kv is not None:
-            self._check_cache(kv, x, position)
-            k_cache, v_cache = kv
-            k_cache[:, :, position : position + T] = k  # (B, n_kv_heads, T, head_dim) into (B, n_kv_heads, S_max, hd)
-            v_cache[:, :, position : position + T] = v
-            k = k_cache[:, :, : position + T]  # (B, n_kv_heads, position + T, head_dim), a view
-            v = v_cache[:, :, : position + T]
+            check_kv_cache(kv, x, position, self.n_kv_heads, self.head_dim)
+            k, v = write_kv_cache(kv, k, v, position)  # each (B, n_kv_heads, position + T, head_dim), a view
 
         kv_len = k.shape[2]
         mask = self._mask(T, kv_len, x.device)
@@ -227,17 +211,7 @@ class LlamaBlock(nn.Module):
         on error nothing is modified.
         """
         own = self.state_dict()
-        given = set(state) - _IGNORED_CHECKPOINT_KEYS
-        missing, unexpected = sorted(set(own) - given), sorted(given - set(own))
-        if missing or unexpected:
-            raise ValueError(f"block {self.layer_idx}: missing keys {missing}, unexpected keys {unexpected}")
-        for name, tensor in own.items():
-            if tuple(state[name].shape) != tuple(tensor.shape):
-                raise ValueError(f"block {self.layer_idx}: {name} has shape {tuple(state[name].shape)}, "
-                                 f"expected {tuple(tensor.shape)}")
-        with torch.no_grad():
-            for name, tensor in own.items():
-                tensor.copy_(state[name])
+        load_exact_state(own, state, f"block {self.layer_idx}", ignored=_IGNORED_CHECKPOINT_KEYS)
         logger.debug("loaded block=%d tensors=%d", self.layer_idx, len(own))
 
     def forward(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None = None, position: int = 0) -> Tensor:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
+from corolla.models.common import check_exact_state
 from corolla.models.llama.block import LlamaAttention, RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -156,14 +157,7 @@ class MixtralBlock(nn.Module):
         per_expert = any(name.startswith(_HUB_PREFIX) for name in state)
         shapes = self._checkpoint_shapes(per_expert)
         layout = "per-expert" if per_expert else "fused"
-        missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
-        if missing or unexpected:
-            raise ValueError(f"block {self.layer_idx}: missing keys {missing}, unexpected keys {unexpected} "
-                             f"(reading the {layout} mixtral layout)")
-        for name, shape in shapes.items():
-            if tuple(state[name].shape) != shape:
-                raise ValueError(f"block {self.layer_idx}: {name} has shape {tuple(state[name].shape)}, "
-                                 f"expected {shape}")
+        check_exact_state(shapes, state, f"block {self.layer_idx}", note=f"(reading the {layout} mixtral layout)")
         own = self.state_dict()
         with torch.no_grad():
             for name, tensor in own.items():

@@ -1,0 +1,152 @@
+"""Test helpers shared by the family tests: HF reference models, our blocks and head loaded through the
+registry, token ids, KV caches, and running a stack of blocks.
+
+Imported by the tests in this folder as ``from reference import ...`` (pytest puts this folder on
+``sys.path``, as it does ``tests/`` for ``conftest``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from corolla.models import ModelFamily, get_family
+
+ATOL = 1e-5  # float32 tolerance against the HF reference
+VOCAB = 128  # vocabulary of the tiny test configs
+Caches = list[tuple[Tensor, Tensor]]  # one (k_cache, v_cache) per block, each (B, n_kv_heads, S_max, head_dim)
+# prefill 7, five single steps, a 3-token chunk
+DECODE_CHUNKS: tuple[tuple[int, int], ...] = ((0, 7), *((t, t + 1) for t in range(7, 12)), (12, 15))
+
+
+def make_reference(config: PretrainedConfig, seed: int = 0, *, norms: str | tuple[str, ...] = "norm.weight",
+                   **from_config: object) -> nn.Module:
+    """HF model with eager attention, eval mode, float32, weights N(0, 0.1) and norm weights near 1.
+
+    A parameter whose name ends with ``norms`` is a norm weight (drawn 1 + N(0, 0.1)); ``from_config``
+    goes on to ``AutoModelForCausalLM.from_config`` (e.g. ``experts_implementation="eager"``). The weights
+    are re-drawn larger than HF's init so that attention is far from uniform.
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", **from_config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(norms):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.1)
+    return model
+
+
+def block_state(state: dict[str, Tensor], family: ModelFamily, index: int) -> dict[str, Tensor]:
+    """Block ``index``'s tensors of a full checkpoint (canonical names), with the block prefix stripped."""
+    prefix = family.block_prefix(index)
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def load_blocks(config: PretrainedConfig, state: dict[str, Tensor]) -> list[nn.Module]:
+    """Our blocks in eval mode, loaded through the registry from a checkpoint under its full stored names."""
+    family = get_family(config)
+    state = {family.canonical_name(k): v for k, v in state.items()}
+    blocks = []
+    for i in range(family.num_blocks(config)):
+        block = family.block_class(config, i)
+        block.load_hf_state_dict(block_state(state, family, i))
+        blocks.append(block.eval())
+    return blocks
+
+
+def load_ours(config: PretrainedConfig, state: dict[str, Tensor]) -> tuple[list[nn.Module], nn.Module]:
+    """Our blocks and head in eval mode, loaded through the registry from a checkpoint under its full stored names."""
+    family = get_family(config)
+    head = family.head_class(config)
+    head.load_hf_state_dict({family.canonical_name(k): v for k, v in state.items()
+                             if family.is_head_tensor(family.canonical_name(k))})
+    return load_blocks(config, state), head.eval()
+
+
+def token_ids(batch: int = 2, length: int = 15, seed: int = 1) -> Tensor:
+    """Random token ids (batch, length) int64 in ``[0, VOCAB)``, the same for the same arguments."""
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def make_caches(config: PretrainedConfig, batch: int, s_max: int, dtype: torch.dtype = torch.float32) -> Caches:
+    """Zeroed KV caches for every block of ``config``, laid out as the family's ``kv_layout`` says."""
+    n_kv_heads, head_dim = get_family(config).kv_layout(config)
+    return [(torch.zeros(batch, n_kv_heads, s_max, head_dim, dtype=dtype),
+             torch.zeros(batch, n_kv_heads, s_max, head_dim, dtype=dtype))
+            for _ in range(config.num_hidden_layers)]
+
+
+def run_blocks(blocks: Sequence[nn.Module], hidden: Tensor, caches: Caches | None = None, position: int = 0) -> Tensor:
+    """Hidden states (B, T, H) through every block, block i using ``caches[i]`` (or no cache)."""
+    for i, block in enumerate(blocks):
+        hidden = block(hidden, caches[i] if caches is not None else None, position)
+    return hidden
+
+
+def run_stack(blocks: Sequence[nn.Module], head: nn.Module, ids: Tensor, *, position: int = 0,
+              caches: Caches | None = None) -> Tensor:
+    """Token ids (B, T) -> logits (B, T, V): embed, every block, then the head's logits."""
+    return head.logits(run_blocks(blocks, head.embed(ids), caches, position))
+
+
+def hf_layer_outputs(model: nn.Module, layers: Sequence[nn.Module], ids: Tensor) -> list[Tensor]:
+    """The hidden states each HF decoder layer in ``layers`` outputs while ``model`` runs on ``ids``."""
+    outputs: list[Tensor] = []
+    hooks = [layer.register_forward_hook(lambda _m, _a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+             for layer in layers]
+    try:
+        model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return outputs
+
+
+def assert_blocks_match_hf_layers(model: nn.Module, layers: Sequence[nn.Module], blocks: Sequence[nn.Module],
+                                  head: nn.Module) -> None:
+    """Each of our blocks, fed HF's input to that layer, gives HF's layer output (within ``ATOL``)."""
+    ids = token_ids()
+    outputs = hf_layer_outputs(model, layers, ids)
+    inputs = [head.embed(ids), *outputs[:-1]]
+    for i, block in enumerate(blocks):
+        torch.testing.assert_close(block(inputs[i]), outputs[i], atol=ATOL, rtol=0, msg=f"layer {i}")
+
+
+def assert_decode_steps_match_full_sequence(model: nn.Module, blocks: Sequence[nn.Module], head: nn.Module,
+                                            caches: Caches) -> None:
+    """Feeding 15 tokens in ``DECODE_CHUNKS`` through ``caches`` gives HF's full-sequence logits (within ``ATOL``)."""
+    ids = token_ids(length=15)
+    expected = model(ids).logits  # (B, 15, V)
+    for start, end in DECODE_CHUNKS:
+        got = run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
+        torch.testing.assert_close(got, expected[:, start:end], atol=ATOL, rtol=0, msg=f"tokens [{start}, {end})")
+
+
+def assert_bfloat16_close_to_hf(model_bf16: nn.Module, chunks: Sequence[tuple[int, int]] = ((0, 8), (8, 15))) -> None:
+    """Our stack loaded from a bfloat16 HF model runs in bfloat16 and stays close to that model's logits,
+    both on the whole 15 tokens and fed in ``chunks`` through bfloat16 caches (atol 0.1, rtol 0.05)."""
+    blocks, head = load_ours(model_bf16.config, model_bf16.state_dict())
+    blocks, head = [b.to(torch.bfloat16) for b in blocks], head.to(torch.bfloat16)
+    ids = token_ids()
+    got = run_stack(blocks, head, ids)
+    assert got.dtype == torch.bfloat16
+    caches = make_caches(model_bf16.config, batch=2, s_max=16, dtype=torch.bfloat16)
+    stepped = torch.cat([run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
+                         for start, end in chunks], dim=1)
+    expected = model_bf16(ids).logits.float()
+    torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(stepped.float(), expected, atol=0.1, rtol=0.05)
+
+
+@contextlib.contextmanager
+def assert_unchanged(module: nn.Module) -> Iterator[None]:
+    """Assert on exit that ``module``'s state dict equals, bit for bit, what it was on entry."""
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    yield
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
