@@ -6,7 +6,8 @@ greedy tokens after a `--prompt-tokens` prompt; all clients load first, then sta
 throughput = all sessions' decode tokens / (last decode end - first decode start).
 
 The physical limit beside it: the local HF model generating the same 16 prompts as one batch (KV cache, greedy),
-with as many torch threads as the swarm has servers, decode tokens/s over the same number of steps.
+with as many torch threads as the swarm has servers, decode tokens/s over the same number of steps. And the engine
+alone, without any network: one server's decode step for n sessions run one by one vs as one batch.
 
     python bench/bench_concurrency.py --sessions 1,4,16
 Prints one JSON object on stdout; progress goes to stderr.
@@ -59,6 +60,50 @@ def local_batched(path: Path, ids: torch.Tensor, new_tokens: int, threads: int) 
         runs.append(ids.shape[0] * (new_tokens - 1) / (time.perf_counter() - begin))
     del model
     return {"rows": ids.shape[0], "threads": threads, "decode_tokens_per_s": round(max(runs), 2), "runs": runs}
+
+
+@torch.inference_mode()
+def engine_batching(path: Path, counts: list[int], repeats: int = 5) -> list[dict]:
+    """The server engine alone, in this process: a decode step of n sessions over half the model's blocks (one
+    server's share), run one by one vs as one batch (`BlockStack.decode_batch`); one torch thread."""
+    from transformers import AutoConfig
+
+    from corolla.checkpoint import load_tensors
+    from corolla.models import get_family
+    from corolla.server.backend import BlockStack, KVLayout
+
+    torch.set_num_threads(1)
+    config = AutoConfig.from_pretrained(path)
+    family = get_family(config)
+    half = family.num_blocks(config) // 2
+    prefixes = [family.block_prefix(i) for i in range(half)]
+    tensors = load_tensors(str(path), lambda name: name.startswith(tuple(prefixes)), rename=family.canonical_name)
+    blocks = []
+    for index, prefix in enumerate(prefixes):
+        block = family.block_class(config, index)
+        block.load_hf_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        blocks.append(block.eval())
+    stack = BlockStack(blocks, 0, config.hidden_size, KVLayout(*family.kv_layout(config)), torch.float32, torch.device("cpu"))
+    results = []
+    for count in counts:
+        caches = [stack.allocate_cache(1, 64, 0, half) for _ in range(count)]
+        for cache in caches:
+            stack.inference_step(torch.randn(1, 16, config.hidden_size), cache, 0, 0, half)
+        steps = [torch.randn(1, 1, config.hidden_size) for _ in range(count)]
+        alone, batched = [], []
+        for r in range(repeats):
+            begin = time.perf_counter()
+            for x, cache in zip(steps, caches):
+                stack.inference_step(x, cache, 16 + r, 0, half)
+            alone.append(time.perf_counter() - begin)
+            begin = time.perf_counter()
+            stack.decode_batch([(x, cache, 16 + r, 0, half) for x, cache in zip(steps, caches)])
+            batched.append(time.perf_counter() - begin)
+        results.append({"sessions": count, "blocks": half, "one_by_one_ms": round(statistics.median(alone) * 1e3, 1),
+                        "batched_ms": round(statistics.median(batched) * 1e3, 1)})
+        log(f"engine: {results[-1]}")
+    del blocks, stack, tensors
+    return results
 
 
 def client_main(args: argparse.Namespace) -> int:
@@ -128,6 +173,7 @@ def main() -> int:
     parser.add_argument("--servers-only", action="store_true",
                         help="clients skip the LM head during decode (each feeds its last token again): measures what "
                              "the servers sustain when the clients' heads run on other machines")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="the servers' --max-batch-size")
     parser.add_argument("--cache-dir", default=None, help="where bench_generate.py keeps its checkpoints")
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -144,13 +190,16 @@ def main() -> int:
     cache_root = Path(args.cache_dir or os.environ.get("COROLLA_BENCH_CACHE", "/tmp/corolla-bench"))
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(MODEL, cache_root, Path(tmp))
+        engine = engine_batching(path, counts)
         log("local batched baseline")
         local = local_batched(path, prompts(max(counts), args.prompt_tokens), args.new_tokens, threads=2)
         log(f"local: {local['decode_tokens_per_s']} tokens/s for {local['rows']} rows")
         results = []
         with LocalSwarm(env={"COROLLA_CACHE": str(Path(tmp) / "cache")}) as swarm:
             peers = swarm.start_dht()
-            servers = [swarm.start_server(str(path), ["--blocks", b, *SERVER_ARGS], wait=False) for b in ("0:4", "4:8")]
+            extra = ["--max-batch-size", str(args.max_batch_size)]
+            servers = [swarm.start_server(str(path), ["--blocks", b, *SERVER_ARGS, *extra], wait=False)
+                       for b in ("0:4", "4:8")]
             for proc in servers:
                 swarm.wait_ready(proc)
             for count in counts:
@@ -160,8 +209,8 @@ def main() -> int:
     by_count = {r["sessions"]: r for r in results}
     report = {
         "model": MODEL, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "servers_only": args.servers_only,
-        "local_batched": local, "swarm": results,
+        "servers_only": args.servers_only, "max_batch_size": args.max_batch_size,
+        "engine_decode_step": engine, "local_batched": local, "swarm": results,
         "ratios_vs_local_batched": {str(c): round(r["aggregate_decode_tokens_per_s"] / local["decode_tokens_per_s"], 3)
                                     for c, r in by_count.items()},
     }

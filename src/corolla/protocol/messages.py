@@ -42,6 +42,8 @@ class ServerInfo(_Message):
     version: str  # corolla version of the server
     protocol_version: int
     max_session_length: int = Field(gt=0)  # longest max_length this server accepts, in tokens
+    step_timeout: float = Field(default=300.0, gt=0)  # seconds one inference step may compute before it is abandoned
+    session_timeout: float = Field(default=600.0, gt=0)  # seconds a session may sit idle before it is closed
 
     @model_validator(mode="after")
     def _check_range(self) -> ServerInfo:

@@ -49,6 +49,8 @@ class Server:
             raise ValueError("give --initial-peers of a running swarm, or --new-swarm to start one")
         if config.balance_period < 0 or config.balance_quality < 0:
             raise ValueError("--balance-period and --balance-quality must be >= 0")
+        if config.step_timeout <= 0 or config.session_timeout <= 0:
+            raise ValueError("--step-timeout and --session-timeout must be > 0 seconds")
         if config.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {config.max_batch_size}")
         self.config = config
@@ -86,6 +88,8 @@ class Server:
             version=corolla.__version__,
             protocol_version=PROTOCOL_VERSION,
             max_session_length=self.config.max_session_length,
+            step_timeout=self.config.step_timeout,
+            session_timeout=self.config.session_timeout,
         )
 
     def info_reply(self) -> InfoReply:
