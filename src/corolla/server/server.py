@@ -15,6 +15,7 @@ import signal
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 import corolla
 from corolla.checkpoint import load_config, load_tensors
@@ -269,7 +270,8 @@ class Server:
         default_dtype = torch.get_default_dtype()
         try:
             torch.set_default_dtype(self.dtype)
-            for index, prefix in zip(range(self.start_block, self.end_block), prefixes):
+            spans = list(zip(range(self.start_block, self.end_block), prefixes))
+            for index, prefix in tqdm(spans, desc="loading blocks", unit="block", disable=None):  # bar on a terminal
                 block = self.family.block_class(self.model_config, index)
                 block.load_hf_state_dict({name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)})
                 blocks.append(block.to(self.device, self.dtype).eval().requires_grad_(False))
