@@ -78,11 +78,7 @@ def engine_batching(path: Path, counts: list[int], repeats: int = 5) -> list[dic
     half = family.num_blocks(config) // 2
     prefixes = [family.block_prefix(i) for i in range(half)]
     tensors = load_tensors(str(path), lambda name: name.startswith(tuple(prefixes)), rename=family.canonical_name)
-    blocks = []
-    for index, prefix in enumerate(prefixes):
-        block = family.block_class(config, index)
-        block.load_hf_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-        blocks.append(block.eval())
+    blocks = [family.load_block(config, index, tensors).eval() for index in range(half)]
     stack = BlockStack(blocks, 0, config.hidden_size, KVLayout(*family.kv_layout(config)), torch.float32, torch.device("cpu"))
     results = []
     for count in counts:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from corolla.models import ModelFamily, get_family
+from corolla.models import get_family
 
 ATOL = 1e-5  # float32 tolerance against the HF reference
 VOCAB = 128  # vocabulary of the tiny test configs
@@ -42,22 +42,11 @@ def make_reference(config: PretrainedConfig, seed: int = 0, *, norms: str | tupl
     return model
 
 
-def block_state(state: dict[str, Tensor], family: ModelFamily, index: int) -> dict[str, Tensor]:
-    """Block ``index``'s tensors of a full checkpoint (canonical names), with the block prefix stripped."""
-    prefix = family.block_prefix(index)
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-
-
 def load_blocks(config: PretrainedConfig, state: dict[str, Tensor]) -> list[nn.Module]:
     """Our blocks in eval mode, loaded through the registry from a checkpoint under its full stored names."""
     family = get_family(config)
     state = {family.canonical_name(k): v for k, v in state.items()}
-    blocks = []
-    for i in range(family.num_blocks(config)):
-        block = family.block_class(config, i)
-        block.load_hf_state_dict(block_state(state, family, i))
-        blocks.append(block.eval())
-    return blocks
+    return [family.load_block(config, i, state).eval() for i in range(family.num_blocks(config))]
 
 
 def load_ours(config: PretrainedConfig, state: dict[str, Tensor]) -> tuple[list[nn.Module], nn.Module]:

@@ -18,7 +18,6 @@ from reference import (
     assert_blocks_match_hf_layers,
     assert_decode_steps_match_full_sequence,
     assert_unchanged,
-    block_state,
     load_ours,
     make_caches,
     make_reference,
@@ -199,9 +198,9 @@ def test_checkpoint_stored_without_transformer_prefix_loads_through_the_family(
     assert "h.1.mlp.dense_4h_to_h.weight" in hub_state
     save_file(hub_state, str(tmp_path / "model.safetensors"))
     prefix = family.block_prefix(1)
-    block_state = load_tensors(str(tmp_path), lambda name: name.startswith(prefix), rename=family.canonical_name)
-    block = family.block_class(model.config, 1)
-    block.load_hf_state_dict({k[len(prefix):]: v for k, v in block_state.items()})
+    block = family.load_block(
+        model.config, 1, load_tensors(str(tmp_path), lambda name: name.startswith(prefix), rename=family.canonical_name)
+    )
     head_state = load_tensors(str(tmp_path), family.is_head_tensor, rename=family.canonical_name)
     head = family.head_class(model.config)
     head.load_hf_state_dict(head_state)
@@ -227,7 +226,7 @@ def _hf_causal(length: int) -> Tensor:
 
 def test_block_load_names_missing_and_unexpected_keys_and_modifies_nothing() -> None:
     model, _, _ = case("bloom")
-    state = block_state(model.state_dict(), get_family(model.config), 0)
+    state = get_family(model.config).block_tensors(model.state_dict(), 0)
     state.pop("self_attention.dense.bias")
     state["self_attention.rotary_emb.inv_freq"] = torch.zeros(8)
     block = BloomBlock(model.config, 0)
@@ -238,7 +237,7 @@ def test_block_load_names_missing_and_unexpected_keys_and_modifies_nothing() -> 
 
 def test_block_load_names_a_shape_mismatch_and_modifies_nothing() -> None:
     model, _, _ = case("bloom")
-    state = block_state(model.state_dict(), get_family(model.config), 0)
+    state = get_family(model.config).block_tensors(model.state_dict(), 0)
     state["self_attention.query_key_value.weight"] = torch.zeros(3 * 64, 32)
     block = BloomBlock(model.config, 0)
     expected = r"self_attention.query_key_value.weight has shape \(192, 32\)"

@@ -17,7 +17,6 @@ from reference import (
     assert_blocks_match_hf_layers,
     assert_decode_steps_match_full_sequence,
     assert_unchanged,
-    block_state,
     load_ours,
     make_caches,
     make_reference,
@@ -66,7 +65,7 @@ def case(case_id: str) -> tuple[torch.nn.Module, list[FalconBlock], FalconClient
 
 def layer0_state(model: torch.nn.Module) -> dict[str, Tensor]:
     """Block 0's checkpoint tensors, with the block prefix stripped."""
-    return block_state(model.state_dict(), get_family(model.config), 0)
+    return get_family(model.config).block_tensors(model.state_dict(), 0)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

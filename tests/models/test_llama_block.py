@@ -16,7 +16,6 @@ from reference import (
     assert_bfloat16_close_to_hf,
     assert_blocks_match_hf_layers,
     assert_decode_steps_match_full_sequence,
-    block_state,
     load_ours,
     make_caches,
     make_reference,
@@ -193,7 +192,7 @@ def test_untied_head_uses_its_own_lm_head_and_requires_it() -> None:
 
 def test_block_load_names_missing_and_unexpected_keys() -> None:
     model, _, _ = case("qwen2")
-    state = block_state(model.state_dict(), get_family(model.config), 0)
+    state = get_family(model.config).block_tensors(model.state_dict(), 0)
     state.pop("self_attn.q_proj.bias")
     state["self_attn.o_proj.bias"] = torch.zeros(64)  # Qwen2 has no o_proj bias
     expected = r"missing keys \['self_attn.q_proj.bias'\].*unexpected keys \['self_attn.o_proj.bias'\]"
@@ -203,7 +202,7 @@ def test_block_load_names_missing_and_unexpected_keys() -> None:
 
 def test_qwen3_block_requires_its_query_and_key_norms() -> None:
     model, blocks, _ = case("qwen3")
-    state = block_state(model.state_dict(), get_family(model.config), 0)
+    state = get_family(model.config).block_tensors(model.state_dict(), 0)
     assert {"self_attn.q_norm.weight", "self_attn.k_norm.weight"} <= set(blocks[0].state_dict())
     state.pop("self_attn.k_norm.weight")
     with pytest.raises(ValueError, match=r"missing keys \['self_attn.k_norm.weight'\], unexpected keys \[\]"):

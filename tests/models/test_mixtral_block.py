@@ -19,7 +19,6 @@ from reference import (
     assert_blocks_match_hf_layers,
     assert_decode_steps_match_full_sequence,
     assert_unchanged,
-    block_state,
     load_ours,
     make_caches,
     make_reference,
@@ -163,7 +162,7 @@ def test_per_expert_and_fused_checkpoints_load_identically(saved_dir: Path) -> N
 
 def test_block_load_names_missing_and_unexpected_per_expert_keys(saved_dir: Path) -> None:
     model, _, _ = case("4experts-top2")
-    state = block_state(saved_checkpoint("4experts-top2", saved_dir), get_family(model.config), 0)
+    state = get_family(model.config).block_tensors(saved_checkpoint("4experts-top2", saved_dir), 0)
     state.pop("block_sparse_moe.experts.3.w3.weight")
     state["block_sparse_moe.experts.4.w1.weight"] = torch.zeros(INNER, 64)  # only 4 experts: 0..3
     block = MixtralBlock(model.config, 0)
@@ -175,7 +174,7 @@ def test_block_load_names_missing_and_unexpected_per_expert_keys(saved_dir: Path
 
 def test_block_load_rejects_mixed_layouts_and_wrong_shapes() -> None:
     model, _, _ = case("4experts-top2")
-    fused = block_state(model.state_dict(), get_family(model.config), 0)
+    fused = get_family(model.config).block_tensors(model.state_dict(), 0)
     block = MixtralBlock(model.config, 0)
     mixed = {**fused, "block_sparse_moe.gate.weight": fused["mlp.gate.weight"]}
     with pytest.raises(ValueError, match=r"unexpected keys \[.*'mlp.experts.down_proj'.*per-expert"):

@@ -7,10 +7,10 @@ to ``FAMILIES`` below. Each HF ``model_type`` may belong to one family only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from corolla.models import bloom, falcon, llama, mixtral
@@ -36,6 +36,17 @@ class ModelFamily:
     num_blocks: Callable[[PretrainedConfig], int]  # number of transformer blocks
     # stored checkpoint name -> the name block_prefix/is_head_tensor use (checkpoints of one family may differ)
     canonical_name: Callable[[str], str] = lambda name: name
+
+    def block_tensors(self, tensors: Mapping[str, Tensor], index: int) -> dict[str, Tensor]:
+        """Block ``index``'s tensors out of checkpoint tensors under canonical names, with the block prefix stripped."""
+        prefix = self.block_prefix(index)
+        return {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+
+    def load_block(self, config: PretrainedConfig, index: int, tensors: Mapping[str, Tensor]) -> nn.Module:
+        """Block ``index`` built (in the default dtype) and loaded from checkpoint tensors under canonical names."""
+        block = self.block_class(config, index)
+        block.load_hf_state_dict(self.block_tensors(tensors, index))
+        return block
 
 
 LLAMA = ModelFamily(

@@ -270,10 +270,9 @@ class Server:
         default_dtype = torch.get_default_dtype()
         try:
             torch.set_default_dtype(self.dtype)
-            spans = list(zip(range(self.start_block, self.end_block), prefixes))
-            for index, prefix in tqdm(spans, desc="loading blocks", unit="block", disable=None):  # bar on a terminal
-                block = self.family.block_class(self.model_config, index)
-                block.load_hf_state_dict({name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)})
+            indices = range(self.start_block, self.end_block)
+            for index in tqdm(indices, desc="loading blocks", unit="block", disable=None):  # a bar on a terminal
+                block = self.family.load_block(self.model_config, index, tensors)
                 blocks.append(block.to(self.device, self.dtype).eval().requires_grad_(False))
         finally:
             torch.set_default_dtype(default_dtype)
