@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from corolla.protocol.messages import ServerInfo, ServerState
 
@@ -31,6 +31,20 @@ class Span:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+
+def usable_servers(
+    block_servers: Sequence[Mapping[str, ServerInfo]], block: int, banned: frozenset[str] | set[str] = frozenset()
+) -> Iterator[tuple[str, ServerInfo]]:
+    """(peer, record) of every ONLINE, unbanned server whose announced range holds `block`, by peer id."""
+    for peer, info in sorted(block_servers[block].items()):
+        if peer not in banned and info.state == ServerState.ONLINE and info.start_block <= block < info.end_block:
+            yield peer, info
+
+
+def _check_range(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int) -> None:
+    if not 0 <= start < end <= len(block_servers):
+        raise ValueError(f"bad block range {start}:{end} for {len(block_servers)} blocks")
 
 
 def find_route(
@@ -51,17 +65,12 @@ def find_route(
     not measured yet). Ties are broken towards fewer hops, then by peer id, so equal inputs give equal routes.
     """
     rtts = rtts or {}
-    if not 0 <= start < end <= len(block_servers):
-        raise ValueError(f"bad block range {start}:{end} for {len(block_servers)} blocks")
+    _check_range(block_servers, start, end)
     # each server's contiguous coverage starting at each block it holds, limited to [start, end)
     edges: dict[int, list[tuple[float, str, int]]] = {}
     for block in range(start, end):
-        for peer, info in block_servers[block].items():
-            if peer in banned or info.state != ServerState.ONLINE:
-                continue
+        for peer, info in usable_servers(block_servers, block, banned):
             stop = min(info.end_block, end)
-            if not (info.start_block <= block < stop):
-                continue
             per_block = 1.0 / max(info.throughput, 1e-9)
             fixed = hop_cost + rtts.get(peer, default_rtt)
             fixed += FULL_CACHE_PENALTY if info.cache_tokens_free < cache_tokens_needed else 0.0
@@ -108,15 +117,11 @@ def sample_route(
     and serves as far as it reaches (up to `end`); so the load of many passes spreads over the servers in
     proportion to their speed. Deterministic for a given `rng` state.
     """
-    if not 0 <= start < end <= len(block_servers):
-        raise ValueError(f"bad block range {start}:{end} for {len(block_servers)} blocks")
+    _check_range(block_servers, start, end)
     spans: list[Span] = []
     block = start
     while block < end:
-        candidates = sorted(
-            (peer, info) for peer, info in block_servers[block].items()
-            if peer not in banned and info.state == ServerState.ONLINE and info.start_block <= block < info.end_block
-        )
+        candidates = list(usable_servers(block_servers, block, banned))
         if not candidates:
             return None
         weights = [max(info.throughput, 1e-9) for _, info in candidates]
@@ -128,8 +133,5 @@ def sample_route(
 
 
 def uncovered_blocks(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, banned: frozenset[str] | set[str] = frozenset()) -> list[int]:
-    """Blocks in [start, end) with no ONLINE, unbanned server."""
-    return [
-        b for b in range(start, end)
-        if not any(p not in banned and i.state == ServerState.ONLINE for p, i in block_servers[b].items())
-    ]
+    """Blocks in [start, end) with no usable (ONLINE, unbanned) server."""
+    return [b for b in range(start, end) if next(usable_servers(block_servers, b, banned), None) is None]
