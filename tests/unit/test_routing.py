@@ -11,7 +11,7 @@ import pytest
 from corolla.client.config import ClientConfig
 from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks
 from corolla.client.sequence_manager import SequenceManager
-from corolla.protocol.errors import MissingBlocks
+from corolla.protocol.errors import AllocationFailed, MissingBlocks, PeerUnavailable, PeerUnreachable, RemoteError
 from corolla.protocol.messages import ServerInfo, ServerState
 
 
@@ -138,3 +138,27 @@ def test_banned_peer_is_avoided_while_a_replica_exists_and_forgiven_after_succes
     assert asyncio.run(manager.make_route(0, 4)) == [Span("b", 0, 4)]
     manager.forgive("a")
     assert asyncio.run(manager.make_route(0, 4)) == [Span("a", 0, 4)]
+
+
+def test_failure_policy_counts_retries_names_the_cause_and_skips_dead_peers_for_free():
+    manager = make_manager({"a": make_info(0, 4), "b": make_info(0, 4)}, 4, max_retries=2)
+    span = Span("a", 0, 4)
+    assert manager.after_failure(PeerUnreachable("gone"), 0, span) == 0  # a dead peer costs no retry...
+    assert "a" in manager.banned(unreachable_only=True)  # ...and is skipped from now on
+    assert manager.after_failure(PeerUnavailable("stream broke"), 0, Span("b", 0, 4)) == 1
+    full = RemoteError("server_full", "server full", peer="b")
+    assert manager.after_failure(full, 1, Span("b", 0, 4)) == 2
+    with pytest.raises(AllocationFailed, match="blocks 0:4 could hold the session after 3 attempts"):
+        manager.after_failure(full, 2, Span("b", 0, 4))
+    with pytest.raises(PeerUnavailable, match="blocks 0:4 failed 3 times"):
+        manager.after_failure(PeerUnavailable("again"), 2, Span("b", 0, 4))
+    bad = RemoteError("bad_request", "wrong shape")
+    with pytest.raises(RemoteError, match="wrong shape"):  # the caller's mistake: no retry
+        manager.after_failure(bad, 0, Span("b", 0, 4))
+
+
+def test_a_server_that_moved_makes_the_next_update_reread_the_swarm():
+    manager = make_manager({"a": make_info(0, 4)}, 4)
+    assert not manager._stale
+    manager.after_failure(RemoteError("not_served", "blocks 0:4 are not served here"), 0, Span("a", 0, 4))
+    assert manager._stale

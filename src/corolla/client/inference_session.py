@@ -22,11 +22,10 @@ from corolla.client.event_loop import run_sync
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.errors import AllocationFailed, PeerUnavailable, PeerUnreachable, RemoteError, SessionExpired
+from corolla.protocol.errors import PeerUnavailable, RemoteError, SessionExpired
 from corolla.protocol.messages import (
     BlockRange,
     CloseSession,
-    ErrorCode,
     InferenceStep,
     OpenSession,
     SessionOpened,
@@ -34,17 +33,6 @@ from corolla.protocol.messages import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Server errors that a different server may not have; anything else (bad_request, session_full) is the caller's.
-RETRYABLE_CODES = {
-    ErrorCode.TIMEOUT.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.INTERNAL.value, ErrorCode.SERVER_FULL.value,
-    ErrorCode.NOT_SERVED.value,
-}
-
-
-def is_retryable(error: Exception) -> bool:
-    return isinstance(error, PeerUnavailable) or (isinstance(error, RemoteError) and error.code in RETRYABLE_CODES)
-
 
 class _SpanSession:
     """The stream to one server for blocks [span.start, span.end), with the inputs it has been sent."""
@@ -172,9 +160,9 @@ class InferenceSession:
             try:
                 x_out = await span.step(x, self._position, self.config.request_timeout)
             except (PeerUnavailable, RemoteError) as e:
-                failures = self._after_failure(e, failures, span.span)
+                failures = self.manager.after_failure(e, failures, span.span)
                 await span.close()
-                await self._backoff(failures)
+                await self.manager.backoff(failures)
                 history = span.history[:, : self._position] if span.history is not None else None
                 self._spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
                 continue
@@ -202,41 +190,14 @@ class InferenceSession:
                         x = await session.step(x, 0, self.config.request_timeout)
             except (PeerUnavailable, RemoteError) as e:
                 await self._close_spans(opened)
-                failures = self._after_failure(e, failures, span)
-                await self._backoff(failures)
+                failures = self.manager.after_failure(e, failures, span)
+                await self.manager.backoff(failures)
                 continue
             except BaseException:
                 await self._close_spans(opened)
                 raise
             logger.debug("session route %d:%d -> %s", start, end, [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened])
             return opened
-
-    def _after_failure(self, error: Exception, failures: int, span: Span) -> int:
-        """Ban the span's server for a retryable error and return the new failure count; re-raise anything else.
-
-        A server that cannot be dialed at all costs one fast failed dial and is skipped from then on, so it does not
-        count against max_retries (their number is bounded by the servers in the swarm).
-        """
-        if not is_retryable(error):
-            raise error
-        unreachable = isinstance(error, PeerUnreachable)
-        failures += 0 if unreachable else 1
-        if failures > self.config.max_retries:
-            if isinstance(error, RemoteError) and error.code == ErrorCode.SERVER_FULL.value:
-                raise AllocationFailed(f"no server of blocks {span.start}:{span.end} could hold the session "
-                                       f"after {failures} attempts; last answer: {error}") from error
-            raise PeerUnavailable(f"blocks {span.start}:{span.end} failed {failures} times; last error: {error}") from error
-        logger.warning("server %s failed on blocks %d:%d (%s); routing around it", span.peer_id, span.start, span.end, error)
-        self.manager.ban(span.peer_id, unreachable=unreachable)
-        if isinstance(error, RemoteError) and error.code == ErrorCode.NOT_SERVED.value:
-            self.manager.invalidate()  # that server moved: our view of the swarm is stale
-        return failures
-
-    async def _backoff(self, failures: int) -> None:
-        """Retries after the first failure go at once (to a replica); later ones wait longer and re-read the swarm."""
-        if failures > 1:
-            await asyncio.sleep(min(self.config.min_backoff * (failures - 1), 5.0))
-        await self.manager.update(force=failures > 1)
 
     @staticmethod
     async def _close_spans(spans: Sequence[_SpanSession]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import torch
@@ -10,10 +9,10 @@ from torch import nn
 
 from corolla.client.connection import Connection
 from corolla.client.event_loop import run_sync
-from corolla.client.inference_session import InferenceSession, is_retryable
+from corolla.client.inference_session import InferenceSession
 from corolla.client.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.errors import PeerUnavailable, PeerUnreachable, RemoteError
+from corolla.protocol.errors import PeerUnavailable, RemoteError
 from corolla.protocol.messages import BlockRange, ForwardRequest, ForwardResult
 
 logger = logging.getLogger(__name__)
@@ -44,7 +43,6 @@ class RemoteSequential(nn.Module):
         return InferenceSession(self.manager, max_length, batch_size, start=self.start, end=self.end)
 
     async def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        config = self.manager.config
         block, x, failures = self.start, hidden, 0
         while block < self.end:
             route = await self.manager.make_forward_route(block, self.end)
@@ -54,16 +52,9 @@ class RemoteSequential(nn.Module):
                     self.manager.forgive(span.peer_id)
                     block = span.end
                 except (PeerUnavailable, RemoteError) as e:
-                    if not is_retryable(e):
-                        raise
-                    failures += 1
-                    if failures > config.max_retries:
-                        raise PeerUnavailable(f"forward failed after {failures} attempts: {e}") from e
-                    logger.warning("forward on %s failed (%s); re-routing from block %d", span.peer_id, e, block)
-                    self.manager.ban(span.peer_id, unreachable=isinstance(e, PeerUnreachable))
-                    await asyncio.sleep(min(config.min_backoff * (failures - 1), 5.0))
-                    await self.manager.update(force=True)
-                    break
+                    failures = self.manager.after_failure(e, failures, span)
+                    await self.manager.backoff(failures)
+                    break  # re-route from `block`
         return x
 
     async def _forward_span(self, peer_id: str, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:

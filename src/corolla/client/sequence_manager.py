@@ -22,12 +22,22 @@ from corolla.client.config import ClientConfig
 from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks
 from corolla.client.server_info import request_info
 from corolla.dht import SwarmNode, fetch_block_servers
-from corolla.protocol.errors import MissingBlocks, PeerUnavailable, PeerUnreachable
-from corolla.protocol.messages import ServerInfo, ServerState
+from corolla.protocol.errors import AllocationFailed, MissingBlocks, PeerUnavailable, PeerUnreachable, RemoteError
+from corolla.protocol.messages import ErrorCode, ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
 
 RTT_SMOOTHING = 0.5  # weight of a new round-trip sample in the running average
+
+# Server errors that a different server may not have; anything else (bad_request, session_full) is the caller's.
+RETRYABLE_CODES = {
+    ErrorCode.TIMEOUT.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.INTERNAL.value, ErrorCode.SERVER_FULL.value,
+    ErrorCode.NOT_SERVED.value,
+}
+
+
+def is_retryable(error: Exception) -> bool:
+    return isinstance(error, PeerUnavailable) or (isinstance(error, RemoteError) and error.code in RETRYABLE_CODES)
 
 
 @dataclass
@@ -130,6 +140,34 @@ class SequenceManager:
         task = loop.create_task(self._ping(peer_id))
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
+
+    def after_failure(self, error: Exception, failures: int, span: Span) -> int:
+        """The retry policy of sessions and forward passes: ban the span's server for a retryable error and return
+        the new failure count; re-raise anything else, or a clear error once max_retries is spent.
+
+        A server that cannot be dialed at all costs one fast failed dial and is skipped from then on, so it does not
+        count against max_retries (their number is bounded by the servers in the swarm).
+        """
+        if not is_retryable(error):
+            raise error
+        unreachable = isinstance(error, PeerUnreachable)
+        failures += 0 if unreachable else 1
+        if failures > self.config.max_retries:
+            if isinstance(error, RemoteError) and error.code == ErrorCode.SERVER_FULL.value:
+                raise AllocationFailed(f"no server of blocks {span.start}:{span.end} could hold the session "
+                                       f"after {failures} attempts; last answer: {error}") from error
+            raise PeerUnavailable(f"blocks {span.start}:{span.end} failed {failures} times; last error: {error}") from error
+        logger.warning("server %s failed on blocks %d:%d (%s); routing around it", span.peer_id, span.start, span.end, error)
+        self.ban(span.peer_id, unreachable=unreachable)
+        if isinstance(error, RemoteError) and error.code == ErrorCode.NOT_SERVED.value:
+            self.invalidate()  # that server moved: our view of the swarm is stale
+        return failures
+
+    async def backoff(self, failures: int) -> None:
+        """Retries after the first failure go at once (to a replica); later ones wait longer and re-read the swarm."""
+        if failures > 1:
+            await asyncio.sleep(min(self.config.min_backoff * (failures - 1), 5.0))
+        await self.update(force=failures > 1)
 
     def forgive(self, peer_id: str) -> None:
         """A successful request resets the peer's backoff."""
