@@ -68,7 +68,6 @@ class Server:
         self.stack: BlockStack | None = None
         self.allocator: CacheAllocator | None = None
         self.handler: ConnectionHandler | None = None
-        self.worker: ComputeWorker | None = None
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -102,15 +101,15 @@ class Server:
             dht_prefix=self.prefix,
             hidden_size=self.model_config.hidden_size,
             active_sessions=len(self.handler.sessions),
-            decode_batches=self.worker.batches_run if self.worker else 0,
-            decode_steps=self.worker.batched_tasks if self.worker else 0,
+            decode_batches=self.handler.worker.batches_run,
+            decode_steps=self.handler.worker.batched_tasks,
         )
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        worker = self.worker = ComputeWorker(max_batch=self.config.max_batch_size)
+        worker = ComputeWorker(max_batch=self.config.max_batch_size)
         announcer: Announcer | None = None
         tasks: list[asyncio.Task[None]] = []
         try:
