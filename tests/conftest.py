@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from corolla.cli.local_swarm import LocalSwarm
+from corolla.cli.local_swarm import LocalProcess, LocalSwarm
 
 TINY_LLAMA = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -58,6 +58,31 @@ def llama_swarm(tiny_llama_path: str, tmp_path_factory: pytest.TempPathFactory):
             local.wait_ready(proc)
         peer_ids = [_peer_id_from_log(proc.tail(200)) for proc in servers]
         yield Swarm(tiny_llama_path, peers, local, peer_ids)
+
+
+@dataclass
+class NamedSwarm:
+    """Servers started by name on one DHT: their processes and peer ids by those names."""
+
+    model_path: str
+    local: LocalSwarm
+    peers: list[str]  # the DHT's multiaddrs
+    procs: dict[str, LocalProcess]
+    peer_ids: dict[str, str]
+
+
+def start_named_servers(
+    local: LocalSwarm, model_path: str, servers: dict[str, list[str]], ready_timeout: float = 180.0
+) -> NamedSwarm:
+    """`corolla serve MODEL ARGS... SERVER_ARGS` for each name -> args (all started at once), once each is ready.
+
+    Starts the swarm's DHT peer first unless `local` already has one."""
+    peers = local.initial_peers or local.start_dht()
+    procs = {name: local.start_server(model_path, [*args, *SERVER_ARGS], name=name, wait=False)
+             for name, args in servers.items()}
+    for proc in procs.values():
+        local.wait_ready(proc, ready_timeout)
+    return NamedSwarm(model_path, local, peers, procs, {name: _peer_id_from_log(p.tail(200)) for name, p in procs.items()})
 
 
 def _peer_id_from_log(log: str) -> str:

@@ -12,15 +12,14 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import SERVER_ARGS, _peer_id_from_log, wait_until
+from conftest import SERVER_ARGS, NamedSwarm, _peer_id_from_log, start_named_servers, wait_until
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.cli.local_swarm import LocalProcess, LocalSwarm
+from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.event_loop import run_sync
 from corolla.client.server_info import request_info
 from corolla.protocol.errors import AllocationFailed, RemoteError
@@ -38,26 +37,13 @@ SERVERS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-@dataclass
-class EngineSwarm:
-    model_path: str
-    local: LocalSwarm
-    peers: list[str]
-    procs: dict[str, LocalProcess]  # name -> server process
-    peer_ids: dict[str, str]  # name -> peer id
-
-
 @pytest.fixture(scope="module")
-def swarm(tiny_llama_path, tmp_path_factory) -> Iterator[EngineSwarm]:
+def swarm(tiny_llama_path, tmp_path_factory) -> Iterator[NamedSwarm]:
     with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
-        peers = local.start_dht()
-        procs = {
-            name: local.start_server(tiny_llama_path, [*args, "--dht-prefix", prefix, *SERVER_ARGS], name=name, wait=False)
-            for name, (prefix, args) in SERVERS.items()
-        }
-        for proc in procs.values():
-            local.wait_ready(proc, timeout=120)
-        yield EngineSwarm(tiny_llama_path, local, peers, procs, {n: _peer_id_from_log(p.tail(200)) for n, p in procs.items()})
+        yield start_named_servers(
+            local, tiny_llama_path, {name: [*args, "--dht-prefix", prefix] for name, (prefix, args) in SERVERS.items()},
+            ready_timeout=120,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +52,7 @@ def reference(tiny_llama_path) -> LlamaForCausalLM:
 
 
 @contextmanager
-def client(swarm: EngineSwarm, prefix: str, **config) -> Iterator:
+def client(swarm: NamedSwarm, prefix: str, **config) -> Iterator:
     model = AutoDistributedModelForCausalLM.from_pretrained(
         swarm.model_path, initial_peers=swarm.peers, dht_prefix=prefix, torch_dtype=torch.float32,
         client_config=ClientConfig(**config) if config else None,

@@ -11,15 +11,14 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import SERVER_ARGS, _peer_id_from_log
+from conftest import NamedSwarm, start_named_servers
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.cli.local_swarm import LocalProcess, LocalSwarm
+from corolla.cli.local_swarm import LocalSwarm
 from corolla.protocol.errors import MissingBlocks
 
 PROMPT = torch.tensor([[1, 11, 22, 33, 44]])
@@ -27,26 +26,14 @@ PREFERRED = ["--throughput", "1000"]  # routes go through this server while it i
 BACKUP = ["--throughput", "10"]
 
 
-@dataclass
-class FailoverSwarm:
-    model_path: str
-    local: LocalSwarm
-    peers: list[str]
-    procs: dict[str, LocalProcess]  # name -> server process
-    peer_ids: dict[str, str]  # name -> peer id
-
-
 @pytest.fixture
-def start_swarm(tiny_llama_path, tmp_path) -> Iterator[Callable[..., FailoverSwarm]]:
+def start_swarm(tiny_llama_path, tmp_path) -> Iterator[Callable[..., NamedSwarm]]:
     """start_swarm(name=(blocks, extra args), ...) -> a DHT and those servers, all ended after the test."""
     with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
-        def start(**servers: tuple[str, list[str]]) -> FailoverSwarm:
-            peers = local.start_dht()
-            procs = {name: local.start_server(tiny_llama_path, ["--blocks", blocks, *SERVER_ARGS, *extra], name=name, wait=False)
-                     for name, (blocks, extra) in servers.items()}
-            for proc in procs.values():
-                local.wait_ready(proc)
-            return FailoverSwarm(tiny_llama_path, local, peers, procs, {n: _peer_id_from_log(p.tail(200)) for n, p in procs.items()})
+        def start(**servers: tuple[str, list[str]]) -> NamedSwarm:
+            return start_named_servers(
+                local, tiny_llama_path, {name: ["--blocks", blocks, *extra] for name, (blocks, extra) in servers.items()}
+            )
 
         yield start
 
@@ -77,7 +64,7 @@ class ActAfter:
 
 
 @contextmanager
-def client(swarm: FailoverSwarm, **config) -> Iterator:
+def client(swarm: NamedSwarm, **config) -> Iterator:
     model = AutoDistributedModelForCausalLM.from_pretrained(
         swarm.model_path, initial_peers=swarm.peers, client_config=ClientConfig(**config) if config else None)
     try:
