@@ -190,7 +190,10 @@ class LlamaBlock(nn.Module):
 
     Works in the dtype and device of its weights (move it with ``.to(...)``); hidden states and KV
     caches passed in must have that dtype. Holds no state between calls: the KV cache belongs to the caller.
+    A family that differs only in its MLP (Mixtral) subclasses this and sets ``mlp_class``.
     """
+
+    mlp_class: type[nn.Module] = LlamaMLP  # mlp_class(config): (B, T, H) -> (B, T, H)
 
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
@@ -199,7 +202,7 @@ class LlamaBlock(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = self.mlp_class(config)
 
     def load_hf_state_dict(self, state: Mapping[str, Tensor]) -> None:
         """Copy this block's weights from HF checkpoint tensors.

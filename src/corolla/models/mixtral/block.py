@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from corolla.models.common import check_exact_state
-from corolla.models.llama.block import LlamaAttention, RMSNorm
+from corolla.models.llama.block import LlamaBlock
 
 logger = logging.getLogger(__name__)
 
@@ -112,21 +112,13 @@ class MixtralSparseMoe(nn.Module):
         return out.view(B, T, H)
 
 
-class MixtralBlock(nn.Module):
-    """One pre-norm Mixtral decoder layer, numerically equal to HF's ``MixtralDecoderLayer``.
-
-    Works in the dtype and device of its weights (move it with ``.to(...)``); hidden states and KV
-    caches passed in must have that dtype. Holds no state between calls: the KV cache belongs to the caller.
+class MixtralBlock(LlamaBlock):
+    """One pre-norm Mixtral decoder layer, numerically equal to HF's ``MixtralDecoderLayer``: a Llama block whose
+    MLP is the sparse MoE (forward, attention and cache contract are ``LlamaBlock``'s).
     """
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        eps = float(config.rms_norm_eps)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = MixtralSparseMoe(config)
+    mlp_class = MixtralSparseMoe
+    mlp: MixtralSparseMoe
 
     def _checkpoint_shapes(self, per_expert: bool) -> dict[str, tuple[int, ...]]:
         """Checkpoint name -> shape of every tensor a checkpoint of the given layout must hold."""
@@ -172,18 +164,3 @@ class MixtralBlock(nn.Module):
                     gate_up[e, inner:].copy_(state[f"{_HUB_PREFIX}experts.{e}.w3.weight"])  # (I, H), up
                     down[e].copy_(state[f"{_HUB_PREFIX}experts.{e}.w2.weight"])  # (H, I)
         logger.debug("loaded block=%d layout=%s tensors=%d", self.layer_idx, layout, len(shapes))
-
-    def forward(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | None = None, position: int = 0) -> Tensor:
-        """Run the block on ``hidden`` (B, T, H); returns (B, T, H) in the same dtype.
-
-        ``kv = (k_cache, v_cache)``, each (B, n_kv_heads, S_max, head_dim) in the block's dtype and owned
-        by the caller: this call's keys/values (after rotary) are written in place at ``[position, position + T)``
-        and the T queries attend causally to keys ``[0, position + T)`` (and within ``config.sliding_window``,
-        if set). Whatever the cache holds past ``position + T`` is ignored.
-        ``kv=None``: causal attention over the T tokens alone, with rotary positions starting at ``position``.
-        Raises ``ValueError`` if the cache does not fit (shape, dtype, or ``position + T > S_max``).
-        """
-        if position < 0:
-            raise ValueError(f"position must be >= 0, got {position}")
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv, position)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
