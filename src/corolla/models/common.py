@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def check_exact_state(shapes: Mapping[str, tuple[int, ...]], state: Mapping[str, Tensor], what: str, *,
@@ -43,6 +43,20 @@ def load_exact_state(targets: Mapping[str, Tensor], state: Mapping[str, Tensor],
     with torch.no_grad():
         for name, tensor in targets.items():
             tensor.copy_(state[name])
+
+
+def load_head_state(head: nn.Module, state: Mapping[str, Tensor], names: Mapping[str, str], tied: bool) -> int:
+    """Load a client head from checkpoint tensors under their full names; returns how many were loaded.
+
+    ``names`` maps checkpoint name -> the head's parameter name. With ``tied`` embeddings the LM head is the
+    embedding matrix, so ``lm_head.weight`` is neither required nor read (a checkpoint may still hold it, as HF
+    allows). Errors as ``load_exact_state``; on error nothing is modified.
+    """
+    ignored = {"lm_head.weight"} if tied else set()
+    own = head.state_dict()
+    targets = {name: own[names[name]] for name in sorted(names) if name not in ignored}
+    load_exact_state(targets, state, "client head", ignored=ignored)
+    return len(targets)
 
 
 def check_kv_cache(kv: tuple[Tensor, Tensor], x: Tensor, position: int, n_kv_heads: int, head_dim: int) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from corolla.models.common import load_exact_state
+from corolla.models.common import load_head_state
 from corolla.models.llama.block import RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -52,11 +52,8 @@ class LlamaClientHead(nn.Module):
         parameters' dtype and device. Raises ``ValueError`` naming missing/unexpected keys or a shape
         mismatch; on error nothing is modified.
         """
-        ignored = {"lm_head.weight"} if self.tied else set()  # tied: the embeddings serve as LM head
-        own = self.state_dict()
-        targets = {name: own[_HEAD_TENSORS[name]] for name in sorted(_HEAD_TENSORS) if name not in ignored}
-        load_exact_state(targets, state, "client head", ignored=ignored)
-        logger.debug("loaded client head tied=%s tensors=%d", self.tied, len(targets))
+        loaded = load_head_state(self, state, _HEAD_TENSORS, self.tied)
+        logger.debug("loaded client head tied=%s tensors=%d", self.tied, loaded)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """Token ids (B, T) int64 -> embeddings (B, T, H) in the embedding dtype."""
