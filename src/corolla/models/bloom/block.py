@@ -114,7 +114,7 @@ class BloomAttention(nn.Module):
             bias = bias.masked_fill(future, float("-inf"))  # (n_heads, T, kv_len)
         return bias[None]  # (1, n_heads, T or 1, kv_len), broadcast over B (and T)
 
-    def forward(self, x: Tensor, kv: tuple[Tensor, Tensor] | None, position: int) -> Tensor:
+    def forward(self, x: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None, position: int) -> Tensor:
         """(B, T, H) -> (B, T, H), the output projection without the residual; contract as ``BloomBlock.forward``."""
         B, T, _ = x.shape
         qkv = self.query_key_value(x).view(B, T, self.n_heads, 3, self.head_dim)  # (B, T, n_heads, 3, head_dim)
@@ -181,7 +181,7 @@ class BloomBlock(nn.Module):
         load_exact_state(own, state, f"block {self.layer_idx}")
         logger.debug("loaded block=%d tensors=%d", self.layer_idx, len(own))
 
-    def forward(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | None = None, position: int = 0) -> Tensor:
+    def forward(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None = None, position: int = 0) -> Tensor:
         """Run the block on ``hidden`` (B, T, H); returns (B, T, H) in the same dtype.
 
         ``kv = (k_cache, v_cache)``, each (B, n_heads, S_max, head_dim) in the block's dtype and owned by
@@ -189,6 +189,8 @@ class BloomBlock(nn.Module):
         T queries attend causally to keys ``[0, position + T)``. Whatever the cache holds past
         ``position + T`` is ignored. ``kv=None``: causal attention over the T tokens alone, as if they sat
         at positions ``[position, position + T)`` (ALiBi is relative, so only rounding depends on it).
+        ``kv`` a ``RaggedKV`` (T must be 1): row i is a token of its own session, at its own position and cache
+        (continuous batching); ``position`` is then unused.
         Raises ``ValueError`` if the cache does not fit (shape, dtype, or ``position + T > S_max``).
         """
         if position < 0:

@@ -172,7 +172,7 @@ class FalconAttention(nn.Module):
         v = grouped[:, :, :, self.group + 1]  # (B, T, n_kv_heads, head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: Tensor, kv: tuple[Tensor, Tensor] | None, position: int) -> Tensor:
+    def forward(self, x: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None, position: int) -> Tensor:
         """(B, T, H) -> (B, T, H); the contract is ``FalconBlock.forward``'s."""
         B, T, _ = x.shape
         q, k, v = self._split(self.query_key_value(x))  # q (B, n_heads, T, hd); k, v (B, n_kv_heads, T, hd)
@@ -258,7 +258,7 @@ class FalconBlock(nn.Module):
         load_exact_state(own, state, f"block {self.layer_idx}")
         logger.debug("loaded block=%d tensors=%d layout=%s", self.layer_idx, len(own), self.layout)
 
-    def forward(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | None = None, position: int = 0) -> Tensor:
+    def forward(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None = None, position: int = 0) -> Tensor:
         """Run the block on ``hidden`` (B, T, H); returns (B, T, H) in the same dtype.
 
         ``kv = (k_cache, v_cache)``, each (B, n_kv_heads, S_max, head_dim) in the block's dtype and owned
@@ -266,6 +266,8 @@ class FalconBlock(nn.Module):
         place at ``[position, position + T)`` and the T queries attend causally to keys ``[0, position + T)``.
         Whatever the cache holds past ``position + T`` is ignored.
         ``kv=None``: causal attention over the T tokens alone, with rotary positions starting at ``position``.
+        ``kv`` a ``RaggedKV`` (T must be 1): row i is a token of its own session, at its own position and cache
+        (continuous batching); ``position`` is then unused.
         Raises ``ValueError`` if the cache does not fit (shape, dtype, or ``position + T > S_max``).
         """
         if position < 0:
