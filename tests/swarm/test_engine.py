@@ -24,6 +24,7 @@ from corolla.client.event_loop import run_sync
 from corolla.client.server_info import request_info
 from corolla.protocol.errors import AllocationFailed, RemoteError
 from corolla.protocol.messages import InfoReply
+from corolla.server.network import measure_peer
 
 NUM_SESSIONS = 8
 NEW_TOKENS = 20
@@ -167,7 +168,16 @@ def test_full_server_refuses_a_second_session_clearly_and_serves_it_once_freed(s
         assert torch.equal(out, reference.generate(second, max_new_tokens=NEW_TOKENS, do_sample=False))
 
 
-# ---------------------------------------------------------------- --num-blocks
+# ---------------------------------------------------------------- --num-blocks, network probe
+
+
+def test_network_probe_measures_bandwidth_to_a_server(swarm):
+    with client(swarm, SERVERS["engine"][0]) as model:
+        bandwidth = run_sync(measure_peer(model._node.p2p, swarm.peer_ids["engine"], payload_bytes=1 << 20))
+        with pytest.raises(ValueError):
+            run_sync(measure_peer(model._node.p2p, swarm.peer_ids["engine"], payload_bytes=0))
+        assert server_info(model, swarm.peer_ids["engine"]).active_sessions == 0  # still serving
+    assert 10e6 < bandwidth < 1e12, bandwidth  # bytes/s over loopback
 
 
 def test_server_given_only_num_blocks_takes_the_blocks_nobody_serves(swarm, reference):
@@ -176,6 +186,9 @@ def test_server_given_only_num_blocks_takes_the_blocks_nobody_serves(swarm, refe
     proc = swarm.local.start_server(swarm.model_path, args, name="tail", timeout=120)
     ready = next(line for line in proc.tail(200).splitlines() if "serving blocks" in line)
     assert "serving blocks 2:4 of" in ready, ready
+    # it measured its network against the one server already in its swarm (loopback: far above 100 Mbit/s)
+    network = next(line for line in proc.tail(200).splitlines() if "network: " in line)
+    assert float(network.split("network: ")[1].split()[0]) > 100, network
 
     prompt = make_prompt(5)
     with client(swarm, prefix) as model, model.transformer.inference_session(max_length=prompt.shape[1] + NEW_TOKENS) as session:

@@ -137,6 +137,24 @@ class InfoReply(_Message):
     decode_steps: int = 0
 
 
+# ---------------------------------------------------------------- rpc_probe (network bandwidth measurement)
+MAX_PROBE_BYTES = 64 << 20  # the most a probe may send or ask for
+
+
+class ProbeRequest(_Message):
+    """Bandwidth probe from another server: carries one int32 tensor (the upload payload, possibly empty)
+    and asks for `reply_bytes` bytes back (rounded down to whole int32 elements)."""
+
+    kind: Literal["probe"] = "probe"
+    reply_bytes: int = Field(default=0, ge=0, le=MAX_PROBE_BYTES)
+
+
+class ProbeReply(_Message):
+    """Answer to a probe: one int32 tensor of the requested size."""
+
+    kind: Literal["probe_reply"] = "probe_reply"
+
+
 # ---------------------------------------------------------------- errors
 class ErrorCode(str, Enum):
     BAD_REQUEST = "bad_request"  # malformed message, wrong shape/dtype, unknown blocks
@@ -164,6 +182,8 @@ Message = Annotated[
     | ForwardResult
     | InfoRequest
     | InfoReply
+    | ProbeRequest
+    | ProbeReply
     | ErrorReply,
     Field(discriminator="kind"),
 ]

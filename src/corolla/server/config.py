@@ -52,6 +52,10 @@ class ServerConfig:
     throughput: float | None = field(
         default=None, metadata=_opt("announced throughput, tokens/s per block (default: measured and cached)")
     )
+    network_bandwidth: float | None = field(
+        default=None,
+        metadata=_opt("this server's network bandwidth, Mbit/s (default: measured against other servers, cached a day)"),
+    )
     max_batch_size: int = field(
         default=64, metadata=_opt("most sessions' decode steps run together in one batched forward (continuous batching)")
     )

@@ -27,7 +27,10 @@ from corolla.protocol.messages import (
     InferenceStep,
     InfoReply,
     InfoRequest,
+    MAX_PROBE_BYTES,
     OpenSession,
+    ProbeReply,
+    ProbeRequest,
     SessionOpened,
     StepResult,
 )
@@ -69,7 +72,7 @@ class ConnectionHandler:
         self.fault_armed = False  # set by SIGUSR1 when config.inject_fault is given (failure tests)
 
     def _handlers(self) -> dict[str, Handler]:
-        return {"inference": self.rpc_inference, "forward": self.rpc_forward, "info": self.rpc_info}
+        return {"inference": self.rpc_inference, "forward": self.rpc_forward, "info": self.rpc_info, "probe": self.rpc_probe}
 
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
         for verb, handler in self._handlers().items():
@@ -86,6 +89,14 @@ class ConnectionHandler:
         if not isinstance(message, InfoRequest):
             raise RequestError(ErrorCode.BAD_REQUEST, f"rpc_info expects an info request, got {message.kind}")
         await write_frame(writer, self.describe())
+
+    # ------------------------------------------------------------------ rpc_probe
+    async def rpc_probe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+        """Another server measuring its bandwidth: take its payload, send back the bytes it asks for."""
+        message, tensors = await asyncio.wait_for(read_frame(reader, max_bytes=MAX_PROBE_BYTES + (1 << 16)), FIRST_MESSAGE_TIMEOUT)
+        if not isinstance(message, ProbeRequest):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"rpc_probe expects a probe request, got {message.kind}")
+        await write_frame(writer, ProbeReply(), [torch.zeros(message.reply_bytes // 4, dtype=torch.int32)])
 
     # ------------------------------------------------------------------ rpc_forward
     async def rpc_forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:

@@ -31,11 +31,14 @@ from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
 from corolla.server.handler import ConnectionHandler
-from corolla.server.throughput import cached_throughput, measure_block_throughput
+from corolla.server.network import announced_throughput, measure_bandwidth, network_tokens_per_second
+from corolla.server.throughput import cached_throughput, load_cached, measure_block_throughput, store_cached
 
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_CACHE_TOKENS = 1 << 20
+NETWORK_CACHE_KEY = {"measurement": "network bandwidth, bytes/s"}
+NETWORK_CACHE_MAX_AGE = 24 * 3600.0  # seconds a measured bandwidth is trusted
 
 
 class Server:
@@ -141,7 +144,9 @@ class Server:
         self.stack = await asyncio.get_running_loop().run_in_executor(None, self._load_blocks)
         self.allocator = CacheAllocator(self._cache_tokens())
         if not self.throughput:
-            self.throughput = await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
+            compute = await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
+            network = await self._measure_network()
+            self.throughput = announced_throughput(compute, network, self.end_block - self.start_block)
         self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply)
         await self.handler.register(self.node.p2p)
         self.state = ServerState.ONLINE
@@ -247,6 +252,31 @@ class Server:
             sum((i.throughput for peer, i in by_peer.items() if peer != me and i.state != ServerState.OFFLINE), 0.0)
             for by_peer in servers
         ]
+
+    async def _measure_network(self) -> float | None:
+        """Tokens/s this server's network carries (one hidden state each way per token); None if unknown.
+
+        `--network-bandwidth` overrides the measurement. Otherwise the bandwidth measured against up to three
+        other servers of the swarm is cached on disk for a day; the first server of a swarm has nobody to
+        measure against, and its announced throughput is its compute alone.
+        """
+        assert self.node is not None
+        if self.config.network_bandwidth is not None:
+            bandwidth = self.config.network_bandwidth * 1e6 / 8
+        else:
+            bandwidth = load_cached(NETWORK_CACHE_KEY, max_age=NETWORK_CACHE_MAX_AGE)
+            if bandwidth is None:
+                servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_model_blocks))
+                peers = {peer for by_peer in servers for peer, info in by_peer.items()
+                         if peer != self.node.peer_id and info.state == ServerState.ONLINE}
+                bandwidth = await measure_bandwidth(self.node.p2p, random.sample(sorted(peers), len(peers)))
+                if bandwidth is None:
+                    logger.info("network: no other server to measure against; throughput counts compute only")
+                    return None
+                store_cached(NETWORK_CACHE_KEY, bandwidth)
+        tokens = network_tokens_per_second(bandwidth, self.model_config.hidden_size, self.dtype)
+        logger.info("network: %.0f Mbit/s, %.0f tokens/s of hidden states", bandwidth * 8 / 1e6, tokens)
+        return tokens
 
     def _default_num_blocks(self) -> int:
         """As many blocks as fit in half of the available memory (all of them for small models)."""
