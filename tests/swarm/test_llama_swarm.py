@@ -117,3 +117,12 @@ def test_session_rollback_then_regenerate_equals_fresh_run(model, reference):
         out = model.generate(torch.tensor([[11, 12]]), max_new_tokens=4, session=session)
     fresh = reference.generate(torch.tensor([[1, 3, 5, 11, 12]]), max_new_tokens=4, do_sample=False)
     assert torch.equal(out, fresh)
+
+
+def test_long_prompt_runs_block_by_block_and_still_equals_local(model, reference):
+    """A 200-token prompt is past the servers' merge limit (128 tokens): each server runs it as one compute task
+    per block, so other sessions can decode meanwhile. The result is the same."""
+    torch.manual_seed(7)
+    ids = torch.randint(3, 128, (1, 200))
+    out = model.generate(ids, max_new_tokens=8)
+    assert torch.equal(out, reference.generate(ids, max_new_tokens=8, do_sample=False))

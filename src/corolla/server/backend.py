@@ -64,22 +64,34 @@ class BlockStack:
             for _ in range(start, end)
         ]
 
+    def chunks(self, batch: int, length: int) -> list[tuple[int, int]]:
+        """[offset, end) token ranges a (batch, length) step runs in: at most max_chunk_tokens (B x T) each, so
+        attention memory stays bounded on long prefills."""
+        chunk = max(1, self.max_chunk_tokens // batch)
+        return [(offset, min(offset + chunk, length)) for offset in range(0, length, chunk)]
+
     @torch.inference_mode()
     def inference_step(self, hidden: torch.Tensor, cache: KVCache, position: int, start: int, end: int) -> torch.Tensor:
         """Run hidden (B, T, H) through blocks [start, end) with the session cache; returns (B, T, H).
 
-        Long prefills run in chunks of at most max_chunk_tokens (B x T) tokens so attention memory stays bounded.
+        The merged step: every block (and every chunk, see `chunks`) in one call.
         """
         x = hidden.to(self.device, self.dtype)
-        batch, length, _ = x.shape
-        chunk = max(1, self.max_chunk_tokens // batch)
         outputs = []
-        for offset in range(0, length, chunk):
-            part = x[:, offset : offset + chunk]  # (B, t, H)
+        for offset, stop in self.chunks(x.shape[0], x.shape[1]):
+            part = x[:, offset:stop]  # (B, t, H)
             for index in range(start, end):
-                part = self.blocks[index - self.start](part, cache[index - start], position + offset)
+                part = self.block_step(part, cache, position + offset, index, start)
             outputs.append(part)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    @torch.inference_mode()
+    def block_step(self, part: torch.Tensor, cache: KVCache, position: int, index: int, start: int) -> torch.Tensor:
+        """One chunk (B, t, H) at `position` through block `index` alone; cache[0] belongs to block `start`.
+
+        Long prefills are scheduled as one such call per chunk and block, so other sessions' decode steps run
+        in between instead of waiting for the whole prefill."""
+        return self.blocks[index - self.start](part.to(self.device, self.dtype), cache[index - start], position)
 
     @torch.inference_mode()
     def decode_batch(self, steps: list[DecodeStep]) -> list[torch.Tensor]:

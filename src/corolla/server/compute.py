@@ -1,7 +1,8 @@
 """One compute thread per device, fed by a priority queue, awaited from the event loop.
 
 Torch releases the GIL inside kernels, so the event loop keeps serving streams and the DHT while a step runs.
-Lower priority numbers run first: inference steps (latency-bound) go before forward passes (throughput-bound).
+Lower priority numbers run first: short inference steps (latency-bound) go before the block-by-block pieces of
+long prefills, which go before forward passes (throughput-bound).
 
 Continuous batching: a task submitted with `run_batched` carries a batch key. When the thread takes such a task
 it also takes every other queued task of the same priority and key (up to `max_batch`) and runs them all with
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PRIORITY_INFERENCE = 0
-PRIORITY_FORWARD = 1
+PRIORITY_LONG_INFERENCE = 1  # one block of a long prefill: decode steps of other sessions may go in between
+PRIORITY_FORWARD = 2
 DEFAULT_MAX_BATCH = 64
 
 

@@ -59,6 +59,11 @@ class ServerConfig:
     max_batch_size: int = field(
         default=64, metadata=_opt("most sessions' decode steps run together in one batched forward (continuous batching)")
     )
+    merge_max_tokens: int = field(
+        default=128,
+        metadata=_opt("steps up to this many tokens (x batch) run through all blocks as one task; longer prefills "
+                      "run block by block so other sessions' decode steps go in between"),
+    )
     max_chunk_tokens: int = field(
         default=2048, metadata=_opt("prefills longer than this many tokens (x batch) run in chunks")
     )

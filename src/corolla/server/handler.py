@@ -36,7 +36,7 @@ from corolla.protocol.messages import (
 )
 from corolla.server.backend import BlockStack
 from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, ComputeWorker
+from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, PRIORITY_LONG_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -172,10 +172,12 @@ class ConnectionHandler:
                         PRIORITY_INFERENCE, self.stack.decode_batch, (blocks.start, blocks.end),
                         (hidden, cache, step.position, blocks.start, blocks.end),
                     )
-                else:
+                elif hidden.shape[0] * hidden.shape[1] <= self._merge_max_tokens():  # short: all blocks in one task
                     work = self.worker.run(
                         PRIORITY_INFERENCE, self.stack.inference_step, hidden, cache, step.position, blocks.start, blocks.end
                     )
+                else:
+                    work = self._long_step(hidden, cache, step.position, blocks)
                 try:
                     output = await asyncio.wait_for(work, self.config.step_timeout)
                 except asyncio.TimeoutError:
@@ -186,6 +188,24 @@ class ConnectionHandler:
             self.sessions.pop(session_id, None)
             self.allocator.release(session_id)
             logger.debug("session.close id=%s free_tokens=%d", session_id, self.allocator.budget.free)
+
+    def _merge_max_tokens(self) -> int:
+        """Longest step (batch x tokens) that runs through all blocks as one compute task; nf4 blocks are slow
+        enough per token that only decode steps are merged."""
+        return 1 if self.config.quant == "nf4" else self.config.merge_max_tokens
+
+    async def _long_step(self, hidden: torch.Tensor, cache, position: int, blocks: BlockRange) -> torch.Tensor:
+        """A long prefill as one compute task per chunk and block, at a lower priority than short steps: other
+        sessions keep decoding while it runs. Same result as the merged `inference_step`."""
+        outputs = []
+        for offset, stop in self.stack.chunks(hidden.shape[0], hidden.shape[1]):
+            part = hidden[:, offset:stop]
+            for index in range(blocks.start, blocks.end):
+                part = await self.worker.run(
+                    PRIORITY_LONG_INFERENCE, self.stack.block_step, part, cache, position + offset, index, blocks.start
+                )
+            outputs.append(part)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     async def _inject_fault(self, fault: str) -> None:
         logger.warning("injecting fault %r into an inference step", fault)
