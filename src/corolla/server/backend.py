@@ -107,13 +107,18 @@ class BlockStack:
         x = torch.cat([hidden.to(self.device, self.dtype) for hidden, *_ in steps])  # (sum B_i, 1, H)
         rows = [(cache, row, position) for hidden, cache, position, _, _ in steps for row in range(hidden.shape[0])]
         for index in range(start, end):
-            j = index - start
-            ragged = RaggedKV(
-                [(cache[j][0][row : row + 1], cache[j][1][row : row + 1]) for cache, row, _ in rows],
-                [position for _, _, position in rows],
-            )
-            x = self.blocks[index - self.start](x, ragged, 0)
+            x = self.blocks[index - self.start](x, self.ragged_kv(rows, index - start), 0)
         return list(x.split([hidden.shape[0] for hidden, *_ in steps]))
+
+    def ragged_kv(self, rows: list[tuple[KVCache, int, int]], j: int) -> RaggedKV:
+        """What block j of a batched decode step takes as its cache: rows[i] = (session cache, row, position).
+
+        A stack whose blocks keep another cache layout (tensor parallelism) overrides this.
+        """
+        return RaggedKV(
+            [(cache[j][0][row : row + 1], cache[j][1][row : row + 1]) for cache, row, _ in rows],
+            [position for _, _, position in rows],
+        )
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:

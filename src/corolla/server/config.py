@@ -37,6 +37,14 @@ class ServerConfig:
         ),
     )
     device: str = field(default="cpu", metadata=_opt("torch device for the blocks"))
+    tensor_parallel_devices: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "split every hosted block over these devices (e.g. cuda:0 cuda:1): attention heads and MLP columns are "
+            "sharded and the partial outputs summed on the first device; replaces --device",
+            nargs="+",
+        ),
+    )
     dtype: str = field(default="float32", metadata=_opt("dtype of the blocks: float32, bfloat16, float16"))
     quant: str = field(default="none", metadata=_opt("weight quantization", choices=("none", "int8", "nf4")))
     dht_prefix: str | None = field(default=None, metadata=_opt("DHT namespace of the model (default: its name)"))

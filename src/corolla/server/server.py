@@ -32,6 +32,12 @@ from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
 from corolla.server.handler import ConnectionHandler
 from corolla.server.network import announced_throughput, measure_bandwidth, network_tokens_per_second
+from corolla.server.tensor_parallel import (
+    TensorParallelStack,
+    build_tensor_parallel_block,
+    check_tensor_parallel,
+    measure_throughput,
+)
 from corolla.server.throughput import cached_throughput, load_cached, measure_block_throughput, store_cached
 
 logger = logging.getLogger(__name__)
@@ -45,6 +51,8 @@ class Server:
     """One server; `await Server(config).run()` serves until `stop()` is called or the task is cancelled."""
 
     def __init__(self, config: ServerConfig):
+        if config.tensor_parallel_devices and config.quant != "none":
+            raise ValueError("--tensor-parallel-devices cannot be combined with --quant yet; use --quant none")
         if config.quant != "none":
             raise ValueError(f"--quant {config.quant} is not supported by this version yet; use --quant none")
         if config.dtype not in ("float32", "bfloat16", "float16"):
@@ -59,9 +67,11 @@ class Server:
             raise ValueError(f"--max-batch-size must be >= 1, got {config.max_batch_size}")
         self.config = config
         self.dtype = DTYPES[config.dtype]
-        self.device = torch.device(config.device)
+        self.device = torch.device(config.tensor_parallel_devices[0] if config.tensor_parallel_devices else config.device)
         self.model_config = load_config(config.model, cache_dir=config.cache_dir)
         self.family = get_family(self.model_config)
+        if config.tensor_parallel_devices:
+            check_tensor_parallel(self.family, self.model_config, config.tensor_parallel_devices)
         self.num_model_blocks = self.family.num_blocks(self.model_config)
         self.prefix = config.dht_prefix or model_dht_prefix(config.model)
         self.state = ServerState.JOINING
@@ -296,17 +306,28 @@ class Server:
             rename=self.family.canonical_name,
         )
         blocks = []
+        tp_devices = self.config.tensor_parallel_devices
         default_dtype = torch.get_default_dtype()
         try:
             torch.set_default_dtype(self.dtype)
             indices = range(self.start_block, self.end_block)
             for index in tqdm(indices, desc="loading blocks", unit="block", disable=None):  # a bar on a terminal
                 block = self.family.load_block(self.model_config, index, tensors)
-                blocks.append(block.to(self.device, self.dtype).eval().requires_grad_(False))
+                if tp_devices:  # split on the host, then each shard moves to its device
+                    block = build_tensor_parallel_block(self.family, self.model_config, block, tp_devices)
+                else:
+                    block = block.to(self.device, self.dtype)
+                blocks.append(block.eval().requires_grad_(False))
         finally:
             torch.set_default_dtype(default_dtype)
         n_kv_heads, head_dim = self.family.kv_layout(self.model_config)
         logger.info("loaded blocks %d:%d in %.1fs", self.start_block, self.end_block, time.perf_counter() - begin)
+        if tp_devices:
+            logger.info("tensor parallel: each block split over %d devices: %s", len(tp_devices), " ".join(tp_devices))
+            return TensorParallelStack(
+                blocks, self.start_block, self.model_config.hidden_size, KVLayout(n_kv_heads, head_dim),
+                self.dtype, self.config.max_chunk_tokens,
+            )
         return BlockStack(
             blocks, self.start_block, self.model_config.hidden_size, KVLayout(n_kv_heads, head_dim),
             self.dtype, self.device, self.config.max_chunk_tokens,
@@ -327,6 +348,9 @@ class Server:
             "intermediate": getattr(self.model_config, "intermediate_size", None), "kv": [layout.n_kv_heads, layout.head_dim],
             "device": str(self.device), "dtype": self.config.dtype, "threads": torch.get_num_threads(),
         }
+        if isinstance(self.stack, TensorParallelStack):
+            key["tensor_parallel_devices"] = list(self.config.tensor_parallel_devices)
+            return cached_throughput(key, lambda: measure_throughput(self.stack))
         return cached_throughput(
             key,
             lambda: measure_block_throughput(

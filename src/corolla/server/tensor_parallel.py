@@ -1,0 +1,161 @@
+"""Tensor parallelism: each hosted block split over several devices, its partial outputs summed.
+
+`corolla serve MODEL --tensor-parallel-devices cuda:0 cuda:1` keeps the span of blocks one server hosts, but
+splits every block into one shard per device (the family decides how; for the Llama family see
+`corolla.models.llama.sharding`: attention by whole KV-head groups, the MLP by inner features):
+
+    x (B, T, H) on devices[0]
+      ├─► shard 0 on devices[0]: attention_partial(x) ─┐
+      ├─► shard 1 on devices[1]: attention_partial(x) ─┼─► moved to devices[0], summed: h = x + sum
+      └─► ...                                          ─┘
+    h ──► the same with mlp_partial(h): out = h + sum
+
+Each shard keeps the KV cache of its own KV heads on its own device, so a session's cache for one block is
+one (k_cache, v_cache) pair per shard:
+
+    cache[j] = ((k_0, v_0), (k_1, v_1), ...)     k_s, v_s: (B, n_kv_heads_s, S_max, head_dim) on devices[s]
+
+Shards run one after another from the one compute thread. On CUDA that still overlaps: kernels are queued
+asynchronously on each device, and only the sum waits for the partials. On CPU ("cpu cpu") the shards share
+the same cores, so it is a correctness path with no speedup: the same code as on GPUs, measurable here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from corolla.models.llama.sharding import check_shardable, shard_llama_block
+from corolla.models.ragged import RaggedKV
+from corolla.models.registry import ModelFamily
+from corolla.server.backend import BlockStack, KVLayout
+
+logger = logging.getLogger(__name__)
+
+ShardKV = tuple[Tensor, Tensor] | RaggedKV  # what one shard's block takes as its cache
+ShardedKV = tuple[tuple[Tensor, Tensor], ...]  # one block's session cache: a (k_cache, v_cache) pair per shard
+
+# family name -> (block, config, num_shards) -> shards with attention_partial / mlp_partial
+_SHARDERS = {"llama": shard_llama_block, "mixtral": shard_llama_block}
+
+
+def check_tensor_parallel(family: ModelFamily, config: PretrainedConfig, devices: Sequence[str]) -> None:
+    """Raise ``ValueError`` unless blocks of this family and config can be split over ``devices``.
+
+    Called at server startup, before anything is loaded or announced.
+    """
+    if family.name not in _SHARDERS:
+        raise ValueError(
+            f"tensor parallelism is not supported for {family.name} yet; supported families: {', '.join(sorted(_SHARDERS))}"
+        )
+    check_shardable(config, len(devices))
+
+
+class TensorParallelBlock(nn.Module):
+    """One block as N shards on N devices; same forward contract as the family block, except the cache.
+
+    ``forward(hidden, kv, position)``: ``hidden`` (B, T, H) on any device, output (B, T, H) on ``devices[0]``.
+    ``kv`` is ``None`` (no cache) or a sequence with one entry per shard, each what a block takes for its own
+    heads: a ``(k_cache, v_cache)`` pair on the shard's device (see ``allocate_kv``) or a ``RaggedKV`` of the
+    rows' caches of that shard (batched decode).
+    """
+
+    def __init__(self, shards: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+        super().__init__()
+        if len(shards) != len(devices) or not shards:
+            raise ValueError(f"{len(shards)} shards for {len(devices)} devices")
+        self.shards = nn.ModuleList(shard.to(device) for shard, device in zip(shards, devices))
+        self.devices = [torch.device(d) for d in devices]
+
+    def allocate_kv(self, batch_size: int, max_length: int, dtype: torch.dtype) -> ShardedKV:
+        """Zeroed caches, per shard (B, n_kv_heads_s, max_length, head_dim) keys and values on its device."""
+        pairs = []
+        for shard, device in zip(self.shards, self.devices):
+            shape = (batch_size, shard.n_kv_heads, max_length, shard.head_dim)
+            pairs.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
+        return tuple(pairs)
+
+    def _per_shard(self, kv: Sequence[ShardKV] | None) -> list[ShardKV | None]:
+        if kv is None:
+            return [None] * len(self.shards)
+        if isinstance(kv, RaggedKV) or len(kv) != len(self.shards) or isinstance(kv[0], Tensor):
+            raise ValueError(f"a tensor-parallel block takes one KV cache per shard ({len(self.shards)}), "
+                             f"got {type(kv).__name__}")
+        return list(kv)
+
+    def _sum(self, partials: list[Tensor]) -> Tensor:
+        """The partials, each (B, T, H) on its shard's device, summed on devices[0] in shard order."""
+        total = partials[0].to(self.devices[0])
+        for partial in partials[1:]:
+            total = total + partial.to(self.devices[0])
+        return total
+
+    def forward(self, hidden: Tensor, kv: Sequence[ShardKV] | None = None, position: int = 0) -> Tensor:
+        """Run the block on ``hidden`` (B, T, H); returns (B, T, H) on devices[0]. Cache semantics as the family block's.
+
+        Raises ``ValueError`` for a negative position or a cache that is not one entry per shard (and whatever the
+        shard blocks raise for a cache that does not fit).
+        """
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        kvs = self._per_shard(kv)
+        hidden = hidden.to(self.devices[0])
+        # every shard's work is queued before any partial is gathered, so devices compute side by side
+        partials = [shard.attention_partial(hidden.to(device), kv_s, position)
+                    for shard, device, kv_s in zip(self.shards, self.devices, kvs)]
+        hidden = hidden + self._sum(partials)  # (B, T, H)
+        partials = [shard.mlp_partial(hidden.to(device)) for shard, device in zip(self.shards, self.devices)]
+        return hidden + self._sum(partials)
+
+
+class TensorParallelStack(BlockStack):
+    """A `BlockStack` of `TensorParallelBlock`s: session caches are per shard (see the module docstring)."""
+
+    def __init__(self, blocks: list[TensorParallelBlock], start: int, hidden_size: int, layout: KVLayout,
+                 dtype: torch.dtype, max_chunk_tokens: int = 2048) -> None:
+        super().__init__(blocks, start, hidden_size, layout, dtype, blocks[0].devices[0], max_chunk_tokens)
+        self.devices = blocks[0].devices
+
+    def allocate_cache(self, batch_size: int, max_length: int, start: int, end: int) -> list[ShardedKV]:
+        """Zeroed per-shard caches for blocks [start, end); ``layout`` counts all shards' KV heads together."""
+        return [self.blocks[i - self.start].allocate_kv(batch_size, max_length, self.dtype) for i in range(start, end)]
+
+    def ragged_kv(self, rows: list[tuple[list[ShardedKV], int, int]], j: int) -> tuple[RaggedKV, ...]:
+        """Block j's batched-decode cache: one `RaggedKV` per shard over the rows' (cache, row, position)."""
+        positions = [position for _, _, position in rows]
+        return tuple(
+            RaggedKV([(cache[j][s][0][row : row + 1], cache[j][s][1][row : row + 1]) for cache, row, _ in rows], positions)
+            for s in range(len(self.devices))
+        )
+
+
+def build_tensor_parallel_block(family: ModelFamily, config: PretrainedConfig, block: nn.Module,
+                                devices: Sequence[str]) -> TensorParallelBlock:
+    """Split a loaded full block (on any device, typically the CPU it was loaded on) over ``devices``.
+
+    Raises ``ValueError`` as ``check_tensor_parallel`` does.
+    """
+    check_tensor_parallel(family, config, devices)
+    shards = _SHARDERS[family.name](block, config, len(devices))
+    return TensorParallelBlock(shards, [torch.device(d) for d in devices])
+
+
+def measure_throughput(stack: TensorParallelStack, steps: int = 20) -> float:
+    """Single-token decode steps per second through the stack's first block (median of ``steps`` timed runs)."""
+    cache = stack.allocate_cache(1, steps + 4, stack.start, stack.start + 1)
+    x = torch.randn(1, 1, stack.hidden_size, dtype=stack.dtype, device=stack.device)
+    times = []
+    with torch.inference_mode():
+        for position in range(steps + 2):
+            begin = time.perf_counter()
+            stack.blocks[0](x, cache[0], position)
+            for device in {d for d in stack.devices if d.type == "cuda"}:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - begin)
+    times = sorted(times[2:])
+    return 1.0 / max(times[len(times) // 2], 1e-6)
