@@ -21,3 +21,4 @@ class ClientConfig:
     hop_cost: float = 0.002  # routing: seconds of overhead charged per server hop
     default_rtt: float = 0.05  # routing: assumed round trip to a server not measured yet, seconds
     ping_timeout: float = 2.0  # seconds a round-trip measurement may take
+    active_adapter: str | None = None  # LoRA adapter (as servers announce it) for every request; None: base model

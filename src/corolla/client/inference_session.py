@@ -51,6 +51,7 @@ class _SpanSession:
                 OpenSession(
                     protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
                     max_length=max_length, batch_size=batch_size, alloc_timeout=config.alloc_timeout,
+                    active_adapter=config.active_adapter,
                 )
             )
             reply, _ = await connection.receive(config.connect_timeout + config.alloc_timeout)

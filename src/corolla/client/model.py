@@ -105,11 +105,14 @@ class AutoDistributedModelForCausalLM:
         cache_dir: str | None = None,
         revision: str | None = None,
         token: str | None = None,
+        active_adapter: str | None = None,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of a local directory or hub repo and connect to the swarm.
 
         Only the embeddings, final norm and LM head are read from the checkpoint. `initial_peers` (or
-        client_config.initial_peers) must name at least one peer of the swarm.
+        client_config.initial_peers) must name at least one peer of the swarm. `active_adapter` (or
+        client_config.active_adapter) runs every request with that LoRA adapter, as servers announce it (the repo id or
+        path given to `corolla serve --adapters`); only servers holding it are used.
         """
         config = client_config or ClientConfig()
         if initial_peers is not None:
@@ -118,6 +121,8 @@ class AutoDistributedModelForCausalLM:
             config = replace(config, initial_peers=tuple(initial_peers))
         if dht_prefix is not None:
             config = replace(config, dht_prefix=dht_prefix)
+        if active_adapter is not None:
+            config = replace(config, active_adapter=active_adapter)
         if not config.initial_peers:
             raise ValueError("initial_peers is required: the multiaddr of a DHT peer of the swarm (see `corolla dht`)")
         model_dtype = _resolve_dtype(torch_dtype if torch_dtype is not None else dtype)

@@ -61,7 +61,10 @@ class RemoteSequential(nn.Module):
         config = self.manager.config
         connection = await Connection.open(self.manager.node.p2p, peer_id, "forward", config.connect_timeout)
         try:
-            await connection.send(ForwardRequest(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=start, end=end)), [hidden])
+            request = ForwardRequest(
+                protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=start, end=end), active_adapter=config.active_adapter
+            )
+            await connection.send(request, [hidden])
             reply, tensors = await connection.receive(config.request_timeout)
         finally:
             connection.close()

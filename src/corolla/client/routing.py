@@ -34,11 +34,15 @@ class Span:
 
 
 def usable_servers(
-    block_servers: Sequence[Mapping[str, ServerInfo]], block: int, banned: frozenset[str] | set[str] = frozenset()
+    block_servers: Sequence[Mapping[str, ServerInfo]], block: int, banned: frozenset[str] | set[str] = frozenset(),
+    adapter: str | None = None,
 ) -> Iterator[tuple[str, ServerInfo]]:
-    """(peer, record) of every ONLINE, unbanned server whose announced range holds `block`, by peer id."""
+    """(peer, record) of every ONLINE, unbanned server whose announced range holds `block`, by peer id.
+
+    With an `adapter`, only servers announcing that LoRA adapter count (any server can run the base model)."""
     for peer, info in sorted(block_servers[block].items()):
-        if peer not in banned and info.state == ServerState.ONLINE and info.start_block <= block < info.end_block:
+        if (peer not in banned and info.state == ServerState.ONLINE and info.start_block <= block < info.end_block
+                and (adapter is None or adapter in info.adapters)):
             yield peer, info
 
 
@@ -57,19 +61,21 @@ def find_route(
     hop_cost: float = 0.002,
     rtts: Mapping[str, float] | None = None,
     default_rtt: float = 0.0,
+    adapter: str | None = None,
 ) -> list[Span] | None:
     """Cheapest chain of spans covering [start, end), or None when some block has no usable server.
 
     block_servers[i] maps peer id -> record for block i (as read from the DHT). Only ONLINE servers that are not
     banned are used. `rtts` maps peer id -> the client's measured round trip in seconds (`default_rtt` for a peer
     not measured yet). Ties are broken towards fewer hops, then by peer id, so equal inputs give equal routes.
+    With an `adapter`, only servers announcing that LoRA adapter are used.
     """
     rtts = rtts or {}
     _check_range(block_servers, start, end)
     # each server's contiguous coverage starting at each block it holds, limited to [start, end)
     edges: dict[int, list[tuple[float, str, int]]] = {}
     for block in range(start, end):
-        for peer, info in usable_servers(block_servers, block, banned):
+        for peer, info in usable_servers(block_servers, block, banned, adapter):
             stop = min(info.end_block, end)
             per_block = 1.0 / max(info.throughput, 1e-9)
             fixed = hop_cost + rtts.get(peer, default_rtt)
@@ -110,18 +116,20 @@ def sample_route(
     rng: random.Random,
     *,
     banned: frozenset[str] | set[str] = frozenset(),
+    adapter: str | None = None,
 ) -> list[Span] | None:
     """A chain covering [start, end) for a stateless pass, or None when some block has no usable server.
 
     From the first uncovered block, a server holding it is drawn with probability proportional to its throughput
     and serves as far as it reaches (up to `end`); so the load of many passes spreads over the servers in
-    proportion to their speed. Deterministic for a given `rng` state.
+    proportion to their speed. Deterministic for a given `rng` state. With an `adapter`, only servers announcing
+    that LoRA adapter are used.
     """
     _check_range(block_servers, start, end)
     spans: list[Span] = []
     block = start
     while block < end:
-        candidates = list(usable_servers(block_servers, block, banned))
+        candidates = list(usable_servers(block_servers, block, banned, adapter))
         if not candidates:
             return None
         weights = [max(info.throughput, 1e-9) for _, info in candidates]
@@ -132,6 +140,7 @@ def sample_route(
     return spans
 
 
-def uncovered_blocks(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, banned: frozenset[str] | set[str] = frozenset()) -> list[int]:
-    """Blocks in [start, end) with no usable (ONLINE, unbanned) server."""
-    return [b for b in range(start, end) if next(usable_servers(block_servers, b, banned), None) is None]
+def uncovered_blocks(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, banned: frozenset[str] | set[str] = frozenset(),
+                     adapter: str | None = None) -> list[int]:
+    """Blocks in [start, end) with no usable (ONLINE, unbanned, with `adapter` if given) server."""
+    return [b for b in range(start, end) if next(usable_servers(block_servers, b, banned, adapter), None) is None]

@@ -181,13 +181,15 @@ class SequenceManager:
             return find_route(
                 self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
                 hop_cost=self.config.hop_cost, rtts=self.rtts, default_rtt=self.config.default_rtt,
+                adapter=self.config.active_adapter,
             )
 
         return await self._route(start, end, plan)
 
     async def make_forward_route(self, start: int, end: int) -> list[Span]:
         """A chain for a stateless forward/backward pass, drawn in proportion to server throughput."""
-        return await self._route(start, end, lambda banned: sample_route(self.block_servers, start, end, self._rng, banned=banned))
+        return await self._route(start, end, lambda banned: sample_route(
+            self.block_servers, start, end, self._rng, banned=banned, adapter=self.config.active_adapter))
 
     async def _route(self, start: int, end: int, plan) -> list[Span]:
         """plan(banned) with every ban, else with only unreachable peers excluded; waits up to missing_blocks_wait
@@ -201,9 +203,19 @@ class SequenceManager:
             if route is not None:
                 return route
             if time.monotonic() >= deadline:
-                raise MissingBlocks(uncovered_blocks(self.block_servers, start, end, self.banned(unreachable_only=True)))
+                raise self._missing(start, end)
             await asyncio.sleep(0.25)
             await self.update(force=True)
+
+    def _missing(self, start: int, end: int) -> MissingBlocks:
+        """MissingBlocks for [start, end), naming the requested LoRA adapter when that is what no server has."""
+        adapter = self.config.active_adapter
+        unreachable = self.banned(unreachable_only=True)
+        error = MissingBlocks(uncovered_blocks(self.block_servers, start, end, unreachable, adapter))
+        if adapter is not None:
+            return MissingBlocks(error.blocks, f"{error} with the LoRA adapter {adapter!r} (servers load adapters with "
+                                               f"`corolla serve ... --adapters`)")
+        return error
 
     async def close(self) -> None:
         for task in [self._pings, *self._probes]:

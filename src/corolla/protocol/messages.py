@@ -16,6 +16,7 @@ SessionId = NewType("SessionId", str)
 
 MAX_BATCH_SIZE = 1024
 MAX_SESSION_LENGTH = 1 << 20  # tokens; a sanity bound, the server's own limit is usually lower
+MAX_ADAPTER_NAME = 4096  # characters of an adapter's name (a hub repo id or a path)
 
 
 class _Message(BaseModel):
@@ -44,6 +45,7 @@ class ServerInfo(_Message):
     max_session_length: int = Field(gt=0)  # longest max_length this server accepts, in tokens
     step_timeout: float = Field(default=300.0, gt=0)  # seconds one inference step may compute before it is abandoned
     session_timeout: float = Field(default=600.0, gt=0)  # seconds a session may sit idle before it is closed
+    adapters: tuple[str, ...] = ()  # LoRA adapters loaded (--adapters), by the names clients ask for them with
 
     @model_validator(mode="after")
     def _check_range(self) -> ServerInfo:
@@ -76,6 +78,7 @@ class OpenSession(_Message):
     max_length: int = Field(gt=0, le=MAX_SESSION_LENGTH)
     batch_size: int = Field(default=1, gt=0, le=MAX_BATCH_SIZE)
     alloc_timeout: float = Field(default=0.0, ge=0.0, le=3600.0)  # seconds to wait in the allocation queue
+    active_adapter: str | None = Field(default=None, max_length=MAX_ADAPTER_NAME)  # LoRA adapter for every step; None: base model
 
 
 class SessionOpened(_Message):
@@ -115,6 +118,7 @@ class ForwardRequest(_Message):
     kind: Literal["forward"] = "forward"
     protocol_version: int
     blocks: BlockRange
+    active_adapter: str | None = Field(default=None, max_length=MAX_ADAPTER_NAME)  # LoRA adapter; None: base model
 
 
 class ForwardResult(_Message):

@@ -78,6 +78,14 @@ class ServerConfig:
     cache_dir: str | None = field(default=None, metadata=_opt("where hub downloads go (default ~/.cache/corolla)"))
     max_disk_space: int | None = field(default=None, metadata=_opt("cap on the download cache, bytes"))
     num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's choice)"))
+    adapters: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "peft LoRA adapters to preload (local directories or hub repos); clients pick one per session by this "
+            "exact name",
+            nargs="+",
+        ),
+    )
     inject_fault: str | None = field(
         default=None,
         metadata=_opt(

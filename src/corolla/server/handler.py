@@ -34,6 +34,7 @@ from corolla.protocol.messages import (
     SessionOpened,
     StepResult,
 )
+from corolla.server.adapters import AdapterCalls
 from corolla.server.backend import BlockStack
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, PRIORITY_LONG_INFERENCE, ComputeWorker
@@ -70,6 +71,7 @@ class ConnectionHandler:
         self.sessions: dict[str, asyncio.Task[None]] = {}
         self.shutting_down = False
         self.fault_armed = False  # set by SIGUSR1 when config.inject_fault is given (failure tests)
+        self.adapters = AdapterCalls(config.adapters)  # compute functions run with a request's LoRA adapter
 
     def _handlers(self) -> dict[str, Handler]:
         return {"inference": self.rpc_inference, "forward": self.rpc_forward, "info": self.rpc_info, "probe": self.rpc_probe}
@@ -105,8 +107,10 @@ class ConnectionHandler:
             raise RequestError(ErrorCode.BAD_REQUEST, f"rpc_forward expects a forward request, got {message.kind}")
         self._check_version(message.protocol_version)
         self._check_blocks(message.blocks)
+        self._check_adapter(message.active_adapter)
         hidden = self._check_hidden(tensors, batch_size=None)
-        output = await self.worker.run(PRIORITY_FORWARD, self.stack.forward, hidden, message.blocks.start, message.blocks.end)
+        forward = self.adapters.bind(self.stack.forward, message.active_adapter)
+        output = await self.worker.run(PRIORITY_FORWARD, forward, hidden, message.blocks.start, message.blocks.end)
         await write_frame(writer, ForwardResult(), [output.to(hidden.dtype)])
 
     # ------------------------------------------------------------------ rpc_inference
@@ -118,6 +122,7 @@ class ConnectionHandler:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "server is shutting down")
         self._check_version(message.protocol_version)
         self._check_blocks(message.blocks)
+        self._check_adapter(message.active_adapter)
         if message.max_length > self.config.max_session_length:
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
@@ -137,6 +142,7 @@ class ConnectionHandler:
         assert task is not None
         self.sessions[session_id] = task
         blocks = message.blocks
+        adapter = message.active_adapter
         try:
             logger.debug("session.open id=%s peer=%s blocks=%s max_length=%d batch=%d", session_id, peer, blocks, message.max_length, message.batch_size)
             cache = await self.worker.run(
@@ -168,16 +174,17 @@ class ConnectionHandler:
                         f"step would reach {new_position} tokens, past the session's max_length={message.max_length}",
                     )
                 if hidden.shape[1] == 1:  # a decode step: batched with other sessions' steps over the same blocks
-                    work = self.worker.run_batched(
-                        PRIORITY_INFERENCE, self.stack.decode_batch, (blocks.start, blocks.end),
-                        (hidden, cache, step.position, blocks.start, blocks.end),
+                    work = self.worker.run_batched(  # only steps of the same adapter run together
+                        PRIORITY_INFERENCE, self.adapters.bind(self.stack.decode_batch, adapter),
+                        (blocks.start, blocks.end, adapter), (hidden, cache, step.position, blocks.start, blocks.end),
                     )
                 elif hidden.shape[0] * hidden.shape[1] <= self._merge_max_tokens():  # short: all blocks in one task
                     work = self.worker.run(
-                        PRIORITY_INFERENCE, self.stack.inference_step, hidden, cache, step.position, blocks.start, blocks.end
+                        PRIORITY_INFERENCE, self.adapters.bind(self.stack.inference_step, adapter),
+                        hidden, cache, step.position, blocks.start, blocks.end,
                     )
                 else:
-                    work = self._long_step(hidden, cache, step.position, blocks)
+                    work = self._long_step(hidden, cache, step.position, blocks, adapter)
                 try:
                     output = await asyncio.wait_for(work, self.config.step_timeout)
                 except asyncio.TimeoutError:
@@ -194,15 +201,15 @@ class ConnectionHandler:
         enough per token that only decode steps are merged."""
         return 1 if self.config.quant == "nf4" else self.config.merge_max_tokens
 
-    async def _long_step(self, hidden: torch.Tensor, cache, position: int, blocks: BlockRange) -> torch.Tensor:
+    async def _long_step(self, hidden: torch.Tensor, cache, position: int, blocks: BlockRange, adapter: str | None = None) -> torch.Tensor:
         """A long prefill as one compute task per chunk and block, at a lower priority than short steps: other
         sessions keep decoding while it runs. Same result as the merged `inference_step`."""
-        outputs = []
+        block_step, outputs = self.adapters.bind(self.stack.block_step, adapter), []
         for offset, stop in self.stack.chunks(hidden.shape[0], hidden.shape[1]):
             part = hidden[:, offset:stop]
             for index in range(blocks.start, blocks.end):
                 part = await self.worker.run(
-                    PRIORITY_LONG_INFERENCE, self.stack.block_step, part, cache, position + offset, index, blocks.start
+                    PRIORITY_LONG_INFERENCE, block_step, part, cache, position + offset, index, blocks.start
                 )
             outputs.append(part)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -225,6 +232,11 @@ class ConnectionHandler:
             raise RequestError(
                 ErrorCode.NOT_SERVED, f"blocks {blocks} are not served here (this server holds {self.stack.start}:{self.stack.end})"
             )
+
+    def _check_adapter(self, name: str | None) -> None:
+        problem = self.adapters.problem(name)
+        if problem is not None:
+            raise RequestError(ErrorCode.BAD_REQUEST, problem)
 
     def _check_hidden(self, tensors: list[torch.Tensor], batch_size: int | None) -> torch.Tensor:
         if len(tensors) != 1:

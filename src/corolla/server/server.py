@@ -24,6 +24,7 @@ from corolla.models import get_family
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.framing import DTYPES
 from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
+from corolla.server.adapters import attach_adapters, read_adapter_config
 from corolla.server.announcer import Announcer
 from corolla.server.backend import BlockStack, KVLayout
 from corolla.server.block_selection import choose_best_blocks, parse_block_range, should_move
@@ -73,6 +74,8 @@ class Server:
         if config.tensor_parallel_devices:
             check_tensor_parallel(self.family, self.model_config, config.tensor_parallel_devices)
         self.num_model_blocks = self.family.num_blocks(self.model_config)
+        for adapter in config.adapters:  # refuse an unsupported adapter before joining the swarm
+            read_adapter_config(adapter, cache_dir=config.cache_dir)
         self.prefix = config.dht_prefix or model_dht_prefix(config.model)
         self.state = ServerState.JOINING
         self.start_block = self.end_block = 0
@@ -103,6 +106,7 @@ class Server:
             max_session_length=self.config.max_session_length,
             step_timeout=self.config.step_timeout,
             session_timeout=self.config.session_timeout,
+            adapters=tuple(self.config.adapters),
         )
 
     def info_reply(self) -> InfoReply:
@@ -320,6 +324,11 @@ class Server:
                 blocks.append(block.eval().requires_grad_(False))
         finally:
             torch.set_default_dtype(default_dtype)
+        if self.config.adapters:
+            attach_adapters(
+                blocks, self.start_block, self.config.adapters, self.family, self.model_config, dtype=self.dtype,
+                device=self.device, cache_dir=self.config.cache_dir, max_disk_space=self.config.max_disk_space,
+            )
         n_kv_heads, head_dim = self.family.kv_layout(self.model_config)
         logger.info("loaded blocks %d:%d in %.1fs", self.start_block, self.end_block, time.perf_counter() - begin)
         if tp_devices:
