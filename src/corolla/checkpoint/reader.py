@@ -160,7 +160,7 @@ def load_tensors(
     ):
         path = source.fetch(filename, keep=keep)
         names = selection[filename]
-        read = _read_safetensors if layout.format == "safetensors" else _read_bin
+        read = read_safetensors if layout.format == "safetensors" else read_bin
         loaded = read(path, names.__contains__ if names is not None else wanted, dtype)
         if names is not None and (missing := names - loaded.keys()):
             raise ValueError(
@@ -185,7 +185,7 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None, *, copy: bool) -> tor
     return tensor.to(dtype=target, copy=copy)
 
 
-def _read_safetensors(path: Path, keep: Wanted, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, keep: Wanted, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file `path` whose names satisfy `keep`, read key by key."""
     out: dict[str, torch.Tensor] = {}
     with safe_open(path, framework="pt", device="cpu") as f:
@@ -195,7 +195,7 @@ def _read_safetensors(path: Path, keep: Wanted, dtype: torch.dtype | None) -> di
     return out
 
 
-def _read_bin(path: Path, keep: Wanted, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def read_bin(path: Path, keep: Wanted, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The tensors of the torch.save'd state dict in `path` whose names satisfy `keep`.
 
     The file is memory-mapped, so only the wanted tensors' bytes are read; each is copied out so

@@ -31,7 +31,7 @@ from transformers import PretrainedConfig
 
 from corolla.checkpoint import CheckpointSource
 from corolla.checkpoint.source import HubFiles
-from corolla.checkpoint.reader import _read_bin, _read_safetensors
+from corolla.checkpoint.reader import read_bin, read_safetensors
 from corolla.models.lora import LoraWeights, attach_lora, using_adapter
 from corolla.models.registry import ModelFamily
 
@@ -234,7 +234,7 @@ def load_lora_adapter(
     ours = {module for module, target in targets.items() if target.block in blocks}
     wanted = {f"{_PEFT_PREFIX}{m}.lora_{ab}.weight" for m in ours for ab in "AB"} & set(names)
     wanted |= {f"{m}.lora_{ab}.weight" for m in ours for ab in "AB"} & set(names)  # files saved without the prefix
-    read = _read_safetensors if filename.endswith(".safetensors") else _read_bin
+    read = read_safetensors if filename.endswith(".safetensors") else read_bin
     tensors = read(path, wanted.__contains__, torch.float32) if wanted else {}
     updates: dict[int, dict[str, LoraWeights]] = {}
     for key, tensor in tensors.items():
