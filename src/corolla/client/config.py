@@ -21,3 +21,4 @@ class ClientConfig:
     hop_cost: float = 0.002  # routing: seconds of overhead charged per server hop
     default_rtt: float = 0.05  # routing: assumed round trip to a server not measured yet, seconds
     ping_timeout: float = 2.0  # seconds a round-trip measurement may take
+    max_chunk_bytes: int = 4 << 20  # training: largest hidden-state tensor per forward/backward message, bytes
