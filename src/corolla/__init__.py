@@ -17,6 +17,10 @@ def __getattr__(name: str):  # lazy: importing corolla must stay cheap and side-
         from corolla.client import model
 
         return getattr(model, name)
+    if name in ("AutoDistributedModelForSequenceClassification", "DistributedModelForSequenceClassification"):
+        from corolla.client import classification
+
+        return getattr(classification, name)
     if name == "ClientConfig":
         from corolla.client.config import ClientConfig
 
@@ -24,4 +28,7 @@ def __getattr__(name: str):  # lazy: importing corolla must stay cheap and side-
     raise AttributeError(f"module 'corolla' has no attribute {name!r}")
 
 
-__all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM", "ClientConfig", "__version__"]
+__all__ = [
+    "AutoDistributedModelForCausalLM", "DistributedModelForCausalLM", "AutoDistributedModelForSequenceClassification",
+    "DistributedModelForSequenceClassification", "ClientConfig", "__version__",
+]

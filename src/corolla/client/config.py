@@ -22,3 +22,5 @@ class ClientConfig:
     default_rtt: float = 0.05  # routing: assumed round trip to a server not measured yet, seconds
     ping_timeout: float = 2.0  # seconds a round-trip measurement may take
     active_adapter: str | None = None  # LoRA adapter (as servers announce it) for every request; None: base model
+
+    max_chunk_bytes: int = 4 << 20  # training: largest hidden-state tensor per forward/backward message, bytes

@@ -25,6 +25,7 @@ from transformers.generation.logits_process import (
 )
 
 from corolla.client.inference_session import InferenceSession
+from corolla.client.ptune import embed_pending
 
 if TYPE_CHECKING:
     from corolla.client.model import DistributedModelForCausalLM
@@ -90,7 +91,8 @@ def generate(
 
     own_session = session is None
     if own_session:
-        session = model.transformer.inference_session(max_length=sequence.shape[1] + max(new_tokens, 0), batch_size=batch)
+        session = model.transformer.inference_session(
+            max_length=sequence.shape[1] + max(new_tokens, 0) + model.prompt_length, batch_size=batch)
     assert session is not None
     if session.batch_size != batch:
         raise ValueError(f"the session was opened for batch_size={session.batch_size}, got {batch} sequences")
@@ -99,8 +101,7 @@ def generate(
             streamer.put(input_ids.cpu())
         unfinished = torch.ones(batch, dtype=torch.bool)
         for _ in range(max(new_tokens, 0)):
-            pending = sequence[:, session.position :]  # tokens the servers have not seen yet, (B, t)
-            hidden = model.head.embed(pending.to(model.device))  # (B, t, H)
+            hidden = embed_pending(model, session, sequence)  # (B, t, H): tokens the servers lack (+ prompts at first)
             hidden = session.step(hidden).to(hidden.dtype)
             logits = model.head.logits(hidden[:, -1:])[:, -1].float()  # (B, vocab)
             scores = processors(sequence, logits)

@@ -20,6 +20,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.event_loop import run_sync
 from corolla.client.generation import generate as _generate
 from corolla.client.inference_session import InferenceSession
+from corolla.client.ptune import PromptTuning, make_prompt_tuning
 from corolla.client.remote_sequential import RemoteSequential
 from corolla.client.sequence_manager import SequenceManager
 from corolla.dht import SwarmNode, create_swarm_node, model_dht_prefix
@@ -35,8 +36,9 @@ class DistributedModelForCausalLM(nn.Module):
     """A causal LM whose blocks run in the swarm. Call it like an HF model; `generate` takes HF arguments."""
 
     def __init__(self, config: PretrainedConfig, head: nn.Module, transformer: RemoteSequential, node: SwarmNode,
-                 generation_config: GenerationConfig, name_or_path: str):
+                 generation_config: GenerationConfig, name_or_path: str, ptune: PromptTuning | None = None):
         super().__init__()
+        self.ptune = ptune  # trainable prompts (tuning_mode="ptune"/"deep_ptune"), or None
         self.config = config
         self.head = head
         self.transformer = transformer
@@ -53,18 +55,32 @@ class DistributedModelForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return next(self.head.parameters()).device
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> CausalLMOutputWithPast:
-        """Full forward through the swarm (no cache): logits (B, T, vocab)."""
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> CausalLMOutputWithPast:
+        """Full forward through the swarm (no cache): logits (B, T, vocab), from input_ids (B, T) or inputs_embeds
+        (B, T, H). Differentiable w.r.t. inputs_embeds and the prompts when grad is enabled (rpc_backward)."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise NotImplementedError("padded batches (attention_mask with zeros) are not supported yet")
-        hidden = self.head.embed(input_ids.to(self.device))  # (B, T, H)
-        hidden = self.transformer(hidden).to(hidden.dtype)
-        return CausalLMOutputWithPast(logits=self.head.logits(hidden))
+        return CausalLMOutputWithPast(logits=self.head.logits(self.block_outputs(input_ids, inputs_embeds)))
+
+    def block_outputs(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The last block's hidden states (B, T, H) for input_ids (B, T) or inputs_embeds (B, T, H), before the
+        final norm; with prompt tuning the prompts run through the blocks too and are dropped from the result."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden = self.head.embed(input_ids.to(self.device)) if input_ids is not None else inputs_embeds  # (B, T, H)
+        if self.ptune is not None:
+            return self.ptune.run(self.transformer, hidden)
+        return self.transformer(hidden).to(hidden.dtype)
 
     @contextmanager
     def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
-        """Open a KV-cached session on the servers; `generate` inside the block uses it unless given another."""
-        session = self.transformer.inference_session(max_length, batch_size)
+        """Open a KV-cached session on the servers; `generate` inside the block uses it unless given another.
+
+        With tuning_mode="ptune" the servers reserve pre_seq_len positions more, for the prompts."""
+        if self.ptune is not None and self.ptune.deep_prompts is not None:
+            raise NotImplementedError("inference sessions and generate are not supported with tuning_mode='deep_ptune' yet")
+        session = self.transformer.inference_session(max_length + self.prompt_length, batch_size)
         previous = getattr(self._active, "session", None)
         self._active.session = session
         try:
@@ -73,8 +89,15 @@ class DistributedModelForCausalLM(nn.Module):
             self._active.session = previous
             session.close()
 
+    @property
+    def prompt_length(self) -> int:
+        """Positions the prompts of prompt tuning take in front of every sequence (0 without tuning)."""
+        return 0 if self.ptune is None else self.ptune.pre_seq_len
+
     def generate(self, input_ids: torch.LongTensor | None = None, **kwargs) -> torch.LongTensor:
         """HF-style generation; see corolla.client.generation.generate for the arguments."""
+        if self.ptune is not None and self.ptune.deep_prompts is not None:
+            raise NotImplementedError("inference sessions and generate are not supported with tuning_mode='deep_ptune' yet")
         active = getattr(self._active, "session", None)
         if kwargs.get("session") is None and active is not None:
             kwargs["session"] = active
@@ -106,6 +129,8 @@ class AutoDistributedModelForCausalLM:
         revision: str | None = None,
         token: str | None = None,
         active_adapter: str | None = None,
+        tuning_mode: str | None = None,
+        pre_seq_len: int = 0,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of a local directory or hub repo and connect to the swarm.
 
@@ -113,6 +138,8 @@ class AutoDistributedModelForCausalLM:
         client_config.initial_peers) must name at least one peer of the swarm. `active_adapter` (or
         client_config.active_adapter) runs every request with that LoRA adapter, as servers announce it (the repo id or
         path given to `corolla serve --adapters`); only servers holding it are used.
+        `tuning_mode` "ptune" / "deep_ptune" with `pre_seq_len` P adds trainable prompts (see client.ptune); they
+        are the model's only parameters with requires_grad.
         """
         config = client_config or ClientConfig()
         if initial_peers is not None:
@@ -148,7 +175,8 @@ class AutoDistributedModelForCausalLM:
         _register_atexit()
         prefix = config.dht_prefix or model_dht_prefix(model_name_or_path)
         manager = SequenceManager(node, prefix, family.num_blocks(hf_config), config)
-        model = DistributedModelForCausalLM(hf_config, head, RemoteSequential(manager), node, generation_config, model_name_or_path)
+        ptune = make_prompt_tuning(tuning_mode, pre_seq_len, head, hf_config.hidden_size, manager.num_blocks, model_dtype)
+        model = DistributedModelForCausalLM(hf_config, head, RemoteSequential(manager), node, generation_config, model_name_or_path, ptune)
         logger.info("connected to the swarm for %s (dht prefix %s, %d blocks)", model_name_or_path, prefix, manager.num_blocks)
         return model
 

@@ -10,6 +10,7 @@ from torch import nn
 from corolla.client.connection import Connection
 from corolla.client.event_loop import run_sync
 from corolla.client.inference_session import InferenceSession
+from corolla.client.remote_autograd import RemoteBlocks, RemoteBlocksFunction
 from corolla.client.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import PeerUnavailable, RemoteError
@@ -23,6 +24,10 @@ class RemoteSequential(nn.Module):
 
     forward(hidden) runs a cache-less pass (hidden: (B, T, H) -> (B, T, H)); inference_session() opens a
     KV-cached session for step-by-step generation.
+
+    With grad enabled and `hidden` or `prompts` requiring grad, the output is differentiable: its backward runs
+    rpc_backward on the servers (see client.remote_autograd). `prompts` are deep prompts (len(self), P, H): the
+    servers add prompts[j] to positions [0, P) of the hidden states right before block start + j.
     """
 
     def __init__(self, manager: SequenceManager, start: int = 0, end: int | None = None):
@@ -34,10 +39,24 @@ class RemoteSequential(nn.Module):
     def __len__(self) -> int:
         return self.end - self.start
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
         if hidden.ndim != 3:
             raise ValueError(f"expected hidden states (batch, length, hidden), got shape {tuple(hidden.shape)}")
+        if prompts is not None and (prompts.ndim != 3 or prompts.shape[0] != len(self) or prompts.shape[2] != hidden.shape[2]
+                                    or not 1 <= prompts.shape[1] <= hidden.shape[1]):
+            raise ValueError(f"deep prompts must have shape ({len(self)}, P, {hidden.shape[2]}) with 1 <= P <= "
+                             f"{hidden.shape[1]}, got {tuple(prompts.shape)}")
+        needs_grad = hidden.requires_grad or (prompts is not None and prompts.requires_grad)
+        if torch.is_grad_enabled() and needs_grad:
+            return RemoteBlocksFunction.apply(hidden, prompts, self.remote_blocks)
+        if prompts is not None:
+            return run_sync(self.remote_blocks.forward(hidden.detach(), prompts.detach()))[0]
         return run_sync(self._forward(hidden.detach()))
+
+    @property
+    def remote_blocks(self) -> RemoteBlocks:
+        """Chunked forward/backward passes over this module's blocks (what autograd uses)."""
+        return RemoteBlocks(self.manager, self.start, self.end)
 
     def inference_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
         return InferenceSession(self.manager, max_length, batch_size, start=self.start, end=self.end)

@@ -4,5 +4,5 @@ PROTOCOL_VERSION = 1  # bumped on any incompatible change of a message or of the
 
 
 def rpc_handler_name(verb: str) -> str:
-    """The P2P stream-handler name of an RPC verb ("inference", "forward", "info")."""
+    """The P2P stream-handler name of an RPC verb ("inference", "forward", "backward", "info")."""
     return f"corolla/v{PROTOCOL_VERSION}/rpc_{verb}"

@@ -113,7 +113,11 @@ class CloseSession(_Message):
 
 # ---------------------------------------------------------------- rpc_forward / rpc_info
 class ForwardRequest(_Message):
-    """A full forward pass without cache over `blocks`; one tensor `hidden` (B, T, hidden_size)."""
+    """A full forward pass without cache over `blocks`; one tensor `hidden` (B, T, hidden_size).
+
+    Deep prompt tuning adds a second tensor `prompts` (end - start, P, hidden_size), P <= T: before block i the
+    server adds prompts[i - start] to the hidden states of positions [0, P) (every batch row).
+    """
 
     kind: Literal["forward"] = "forward"
     protocol_version: int
@@ -123,6 +127,27 @@ class ForwardRequest(_Message):
 
 class ForwardResult(_Message):
     kind: Literal["forward_result"] = "forward_result"
+
+
+class BackwardRequest(_Message):
+    """rpc_backward over `blocks`: tensors `hidden` (B, T, hidden_size), the span's inputs as sent to rpc_forward,
+    and `grad_output` (B, T, hidden_size), the loss gradient w.r.t. the span's outputs; optionally a third,
+    `prompts` (end - start, P, hidden_size), the deep prompts that forward added (see ForwardRequest).
+
+    The server recomputes the forward with its weights frozen and differentiates w.r.t. the inputs only.
+    """
+
+    kind: Literal["backward"] = "backward"
+    protocol_version: int
+    blocks: BlockRange
+    active_adapter: str | None = None  # the LoRA adapter the forward ran with (see OpenSession)
+
+
+class BackwardResult(_Message):
+    """Answer to a BackwardRequest: `grad_hidden` (B, T, hidden_size) and, when prompts were sent,
+    `grad_prompts` (end - start, P, hidden_size), summed over the batch."""
+
+    kind: Literal["backward_result"] = "backward_result"
 
 
 class InfoRequest(_Message):
@@ -184,6 +209,8 @@ Message = Annotated[
     | CloseSession
     | ForwardRequest
     | ForwardResult
+    | BackwardRequest
+    | BackwardResult
     | InfoRequest
     | InfoReply
     | ProbeRequest

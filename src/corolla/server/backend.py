@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from corolla.models.ragged import RaggedKV
+from corolla.server.backward import backward_through, run_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +122,28 @@ class BlockStack:
         )
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """A cache-less causal forward of hidden (B, T, H) through blocks [start, end)."""
+    def forward(self, hidden: torch.Tensor, start: int, end: int, prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """A cache-less causal forward of hidden (B, T, H) through blocks [start, end).
+
+        With deep prompts (end - start, P, H), prompts[j] is added to positions [0, P) before block start + j.
+        """
         x = hidden.to(self.device, self.dtype)
+        if prompts is not None:
+            return run_blocks(self.blocks[start - self.start : end - self.start], x, prompts.to(self.device, self.dtype))
         for index in range(start, end):
             x = self.blocks[index - self.start](x, None, 0)
         return x
+
+    def backward(
+        self, hidden: torch.Tensor, grad_output: torch.Tensor, start: int, end: int, prompts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gradients w.r.t. the inputs hidden (B, T, H) of blocks [start, end), given grad_output (B, T, H) w.r.t.
+        their outputs: recomputes `forward` with autograd on (not in inference mode; weights stay frozen).
+
+        Returns (grad_hidden (B, T, H), grad_prompts (end - start, P, H) or None), in this stack's dtype.
+        """
+        to = dict(device=self.device, dtype=self.dtype)
+        return backward_through(
+            self.blocks[start - self.start : end - self.start], hidden.to(**to), grad_output.to(**to),
+            None if prompts is None else prompts.to(**to),
+        )

@@ -1,4 +1,4 @@
-"""RPC handlers on raw P2P streams: rpc_inference (a session per stream), rpc_forward and rpc_info.
+"""RPC handlers on raw P2P streams: rpc_inference (a session per stream), rpc_forward, rpc_backward and rpc_info.
 
 Every message from a client is validated here; a bad one gets an ErrorReply naming the problem, that session's
 cache is freed, and the server goes on serving everyone else. Nothing a client sends can raise out of a handler.
@@ -18,6 +18,8 @@ from corolla.protocol import PROTOCOL_VERSION, rpc_handler_name
 from corolla.protocol.errors import ProtocolError
 from corolla.protocol.framing import read_frame, write_frame
 from corolla.protocol.messages import (
+    BackwardRequest,
+    BackwardResult,
     BlockRange,
     CloseSession,
     ErrorCode,
@@ -36,6 +38,7 @@ from corolla.protocol.messages import (
 )
 from corolla.server.adapters import AdapterCalls
 from corolla.server.backend import BlockStack
+from corolla.server.backward import check_grad_output, check_prompts
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, PRIORITY_LONG_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
@@ -74,7 +77,10 @@ class ConnectionHandler:
         self.adapters = AdapterCalls(config.adapters)  # compute functions run with a request's LoRA adapter
 
     def _handlers(self) -> dict[str, Handler]:
-        return {"inference": self.rpc_inference, "forward": self.rpc_forward, "info": self.rpc_info, "probe": self.rpc_probe}
+        return {
+            "inference": self.rpc_inference, "forward": self.rpc_forward, "backward": self.rpc_backward,
+            "info": self.rpc_info, "probe": self.rpc_probe,
+        }
 
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
         for verb, handler in self._handlers().items():
@@ -108,10 +114,37 @@ class ConnectionHandler:
         self._check_version(message.protocol_version)
         self._check_blocks(message.blocks)
         self._check_adapter(message.active_adapter)
-        hidden = self._check_hidden(tensors, batch_size=None)
+        hidden = self._check_hidden(tensors[:1] if len(tensors) == 2 else tensors, batch_size=None)
+        prompts = self._check_prompts(tensors[1], hidden, message.blocks) if len(tensors) == 2 else None
         forward = self.adapters.bind(self.stack.forward, message.active_adapter)
-        output = await self.worker.run(PRIORITY_FORWARD, forward, hidden, message.blocks.start, message.blocks.end)
+        output = await self.worker.run(PRIORITY_FORWARD, forward, hidden, message.blocks.start, message.blocks.end, prompts)
         await write_frame(writer, ForwardResult(), [output.to(hidden.dtype)])
+
+    # ------------------------------------------------------------------ rpc_backward
+    async def rpc_backward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+        """Tensors [hidden, grad_output] or [hidden, grad_output, prompts] -> [grad_hidden] (+ [grad_prompts])."""
+        message, tensors = await asyncio.wait_for(read_frame(reader), FIRST_MESSAGE_TIMEOUT)
+        if not isinstance(message, BackwardRequest):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"rpc_backward expects a backward request, got {message.kind}")
+        self._check_version(message.protocol_version)
+        self._check_blocks(message.blocks)
+        self._check_adapter(message.active_adapter)
+        if len(tensors) not in (2, 3):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, f"rpc_backward expects tensors [hidden, grad_output(, prompts)], got {len(tensors)}"
+            )
+        hidden = self._check_hidden(tensors[:1], batch_size=None)
+        try:
+            grad_output = check_grad_output(tensors[1], hidden)
+        except ValueError as e:
+            raise RequestError(ErrorCode.BAD_REQUEST, str(e)) from None
+        prompts = self._check_prompts(tensors[2], hidden, message.blocks) if len(tensors) == 3 else None
+        blocks = message.blocks
+        grad_hidden, grad_prompts = await self.worker.run(
+            PRIORITY_FORWARD, self.adapters.bind(self.stack.backward, message.active_adapter), hidden, grad_output, blocks.start, blocks.end, prompts
+        )
+        grads = [grad_hidden.to(hidden.dtype)] + ([] if grad_prompts is None else [grad_prompts.to(tensors[2].dtype)])
+        await write_frame(writer, BackwardResult(), grads)
 
     # ------------------------------------------------------------------ rpc_inference
     async def rpc_inference(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
@@ -237,6 +270,12 @@ class ConnectionHandler:
         problem = self.adapters.problem(name)
         if problem is not None:
             raise RequestError(ErrorCode.BAD_REQUEST, problem)
+
+    def _check_prompts(self, prompts: torch.Tensor, hidden: torch.Tensor, blocks: BlockRange) -> torch.Tensor:
+        try:
+            return check_prompts(prompts, hidden, blocks.end - blocks.start)
+        except ValueError as e:
+            raise RequestError(ErrorCode.BAD_REQUEST, str(e)) from None
 
     def _check_hidden(self, tensors: list[torch.Tensor], batch_size: int | None) -> torch.Tensor:
         if len(tensors) != 1:
