@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from corolla.protocol.messages import QUANT_MODES
+
 
 @dataclass(frozen=True)
 class ClientConfig:
@@ -21,3 +23,14 @@ class ClientConfig:
     hop_cost: float = 0.002  # routing: seconds of overhead charged per server hop
     default_rtt: float = 0.05  # routing: assumed round trip to a server not measured yet, seconds
     ping_timeout: float = 2.0  # seconds a round-trip measurement may take
+    # route only through servers whose announced quantization is one of these ("none", "int8", "nf4"); None = any.
+    # ("none",) keeps outputs exact; a swarm without such servers for some block raises MissingBlocks
+    allowed_quant: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.allowed_quant is not None:
+            if isinstance(self.allowed_quant, str) or not set(self.allowed_quant) <= set(QUANT_MODES) or not self.allowed_quant:
+                raise ValueError(
+                    f"allowed_quant must be None or a non-empty tuple of {QUANT_MODES}, got {self.allowed_quant!r}"
+                )
+            object.__setattr__(self, "allowed_quant", tuple(self.allowed_quant))  # a list is accepted too

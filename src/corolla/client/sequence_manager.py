@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from corolla.client.config import ClientConfig
-from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks
+from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks, usable_servers
 from corolla.client.server_info import request_info
 from corolla.dht import SwarmNode, fetch_block_servers
 from corolla.protocol.errors import AllocationFailed, MissingBlocks, PeerUnavailable, PeerUnreachable, RemoteError
@@ -181,13 +181,15 @@ class SequenceManager:
             return find_route(
                 self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
                 hop_cost=self.config.hop_cost, rtts=self.rtts, default_rtt=self.config.default_rtt,
+                allowed_quant=self.config.allowed_quant,
             )
 
         return await self._route(start, end, plan)
 
     async def make_forward_route(self, start: int, end: int) -> list[Span]:
         """A chain for a stateless forward/backward pass, drawn in proportion to server throughput."""
-        return await self._route(start, end, lambda banned: sample_route(self.block_servers, start, end, self._rng, banned=banned))
+        return await self._route(start, end, lambda banned: sample_route(
+            self.block_servers, start, end, self._rng, banned=banned, allowed_quant=self.config.allowed_quant))
 
     async def _route(self, start: int, end: int, plan) -> list[Span]:
         """plan(banned) with every ban, else with only unreachable peers excluded; waits up to missing_blocks_wait
@@ -201,9 +203,23 @@ class SequenceManager:
             if route is not None:
                 return route
             if time.monotonic() >= deadline:
-                raise MissingBlocks(uncovered_blocks(self.block_servers, start, end, self.banned(unreachable_only=True)))
+                raise self._missing_blocks(start, end)
             await asyncio.sleep(0.25)
             await self.update(force=True)
+
+    def _missing_blocks(self, start: int, end: int) -> MissingBlocks:
+        """The error naming the blocks of [start, end) nobody reachable holds, and, when `allowed_quant` is what
+        excludes the servers holding them, saying so."""
+        banned, allowed = self.banned(unreachable_only=True), self.config.allowed_quant
+        blocks = uncovered_blocks(self.block_servers, start, end, banned, allowed)
+        error = MissingBlocks(blocks)
+        if allowed is None:
+            return error
+        excluded = sorted({info.quant for b in blocks for _, info in usable_servers(self.block_servers, b, banned)})
+        if not excluded:
+            return error
+        return MissingBlocks(blocks, f"{error} with quantization in {allowed}: the servers holding them announce "
+                                     f"quantization {excluded}, which ClientConfig.allowed_quant excludes")
 
     async def close(self) -> None:
         for task in [self._pings, *self._probes]:
