@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"blocks with no online server: {report['uncovered_blocks']}")
     for s in report["servers"]:
         print(f"  {s['peer_id']}  blocks {s['start_block']}:{s['end_block']}  {s['state']:<8} "
-              f"{s['throughput']:.1f} tok/s  cache {s['cache_tokens_free']}/{s['cache_tokens_total']}  {s['torch_dtype']}  v{s['version']}")
+              f"{s['throughput']:.1f} tok/s  cache {s['cache_tokens_free']}/{s['cache_tokens_total']}  {s['torch_dtype']}  quant {s.get('quant', 'none')}  v{s['version']}")
     return 0
 
 

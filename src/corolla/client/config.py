@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from corolla.protocol.messages import QUANT_MODES
+
 
 @dataclass(frozen=True)
 class ClientConfig:
@@ -24,3 +26,15 @@ class ClientConfig:
     active_adapter: str | None = None  # LoRA adapter (as servers announce it) for every request; None: base model
 
     max_chunk_bytes: int = 4 << 20  # training: largest hidden-state tensor per forward/backward message, bytes
+
+    # route only through servers whose announced quantization is one of these ("none", "int8", "nf4"); None = any.
+    # ("none",) keeps outputs exact; a swarm without such servers for some block raises MissingBlocks
+    allowed_quant: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.allowed_quant is not None:
+            if isinstance(self.allowed_quant, str) or not set(self.allowed_quant) <= set(QUANT_MODES) or not self.allowed_quant:
+                raise ValueError(
+                    f"allowed_quant must be None or a non-empty tuple of {QUANT_MODES}, got {self.allowed_quant!r}"
+                )
+            object.__setattr__(self, "allowed_quant", tuple(self.allowed_quant))  # a list is accepted too

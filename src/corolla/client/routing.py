@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Collection, Iterator, Mapping, Sequence
 
 from corolla.protocol.messages import ServerInfo, ServerState
 
@@ -36,13 +36,16 @@ class Span:
 def usable_servers(
     block_servers: Sequence[Mapping[str, ServerInfo]], block: int, banned: frozenset[str] | set[str] = frozenset(),
     adapter: str | None = None,
+    allowed_quant: Collection[str] | None = None,
 ) -> Iterator[tuple[str, ServerInfo]]:
     """(peer, record) of every ONLINE, unbanned server whose announced range holds `block`, by peer id.
 
-    With an `adapter`, only servers announcing that LoRA adapter count (any server can run the base model)."""
+    With an `adapter`, only servers announcing that LoRA adapter count (any server can run the base model); with
+    `allowed_quant`, only servers whose announced quantization is in it."""
     for peer, info in sorted(block_servers[block].items()):
         if (peer not in banned and info.state == ServerState.ONLINE and info.start_block <= block < info.end_block
-                and (adapter is None or adapter in info.adapters)):
+                and (adapter is None or adapter in info.adapters)
+                and (allowed_quant is None or info.quant in allowed_quant)):
             yield peer, info
 
 
@@ -62,11 +65,12 @@ def find_route(
     rtts: Mapping[str, float] | None = None,
     default_rtt: float = 0.0,
     adapter: str | None = None,
+    allowed_quant: Collection[str] | None = None,
 ) -> list[Span] | None:
     """Cheapest chain of spans covering [start, end), or None when some block has no usable server.
 
     block_servers[i] maps peer id -> record for block i (as read from the DHT). Only ONLINE servers that are not
-    banned are used. `rtts` maps peer id -> the client's measured round trip in seconds (`default_rtt` for a peer
+    banned (and, given `allowed_quant`, whose announced quantization is in it) are used. `rtts` maps peer id -> the client's measured round trip in seconds (`default_rtt` for a peer
     not measured yet). Ties are broken towards fewer hops, then by peer id, so equal inputs give equal routes.
     With an `adapter`, only servers announcing that LoRA adapter are used.
     """
@@ -75,7 +79,7 @@ def find_route(
     # each server's contiguous coverage starting at each block it holds, limited to [start, end)
     edges: dict[int, list[tuple[float, str, int]]] = {}
     for block in range(start, end):
-        for peer, info in usable_servers(block_servers, block, banned, adapter):
+        for peer, info in usable_servers(block_servers, block, banned, adapter, allowed_quant):
             stop = min(info.end_block, end)
             per_block = 1.0 / max(info.throughput, 1e-9)
             fixed = hop_cost + rtts.get(peer, default_rtt)
@@ -117,6 +121,7 @@ def sample_route(
     *,
     banned: frozenset[str] | set[str] = frozenset(),
     adapter: str | None = None,
+    allowed_quant: Collection[str] | None = None,
 ) -> list[Span] | None:
     """A chain covering [start, end) for a stateless pass, or None when some block has no usable server.
 
@@ -129,7 +134,7 @@ def sample_route(
     spans: list[Span] = []
     block = start
     while block < end:
-        candidates = list(usable_servers(block_servers, block, banned, adapter))
+        candidates = list(usable_servers(block_servers, block, banned, adapter, allowed_quant))
         if not candidates:
             return None
         weights = [max(info.throughput, 1e-9) for _, info in candidates]
@@ -141,6 +146,7 @@ def sample_route(
 
 
 def uncovered_blocks(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, banned: frozenset[str] | set[str] = frozenset(),
-                     adapter: str | None = None) -> list[int]:
-    """Blocks in [start, end) with no usable (ONLINE, unbanned, with `adapter` if given) server."""
-    return [b for b in range(start, end) if next(usable_servers(block_servers, b, banned, adapter), None) is None]
+                     adapter: str | None = None, allowed_quant: Collection[str] | None = None) -> list[int]:
+    """Blocks in [start, end) with no usable (ONLINE, unbanned, with `adapter` if given, allowed quantization) server."""
+    return [b for b in range(start, end)
+            if next(usable_servers(block_servers, b, banned, adapter, allowed_quant), None) is None]

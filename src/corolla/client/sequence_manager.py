@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from corolla.client.config import ClientConfig
-from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks
+from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks, usable_servers
 from corolla.client.server_info import request_info
 from corolla.dht import SwarmNode, fetch_block_servers
 from corolla.protocol.errors import AllocationFailed, MissingBlocks, PeerUnavailable, PeerUnreachable, RemoteError
@@ -181,7 +181,7 @@ class SequenceManager:
             return find_route(
                 self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
                 hop_cost=self.config.hop_cost, rtts=self.rtts, default_rtt=self.config.default_rtt,
-                adapter=self.config.active_adapter,
+                adapter=self.config.active_adapter, allowed_quant=self.config.allowed_quant,
             )
 
         return await self._route(start, end, plan)
@@ -189,7 +189,8 @@ class SequenceManager:
     async def make_forward_route(self, start: int, end: int) -> list[Span]:
         """A chain for a stateless forward/backward pass, drawn in proportion to server throughput."""
         return await self._route(start, end, lambda banned: sample_route(
-            self.block_servers, start, end, self._rng, banned=banned, adapter=self.config.active_adapter))
+            self.block_servers, start, end, self._rng, banned=banned, adapter=self.config.active_adapter,
+            allowed_quant=self.config.allowed_quant))
 
     async def _route(self, start: int, end: int, plan) -> list[Span]:
         """plan(banned) with every ban, else with only unreachable peers excluded; waits up to missing_blocks_wait
@@ -208,14 +209,21 @@ class SequenceManager:
             await self.update(force=True)
 
     def _missing(self, start: int, end: int) -> MissingBlocks:
-        """MissingBlocks for [start, end), naming the requested LoRA adapter when that is what no server has."""
-        adapter = self.config.active_adapter
-        unreachable = self.banned(unreachable_only=True)
-        error = MissingBlocks(uncovered_blocks(self.block_servers, start, end, unreachable, adapter))
+        """MissingBlocks for [start, end), naming the requested LoRA adapter or the allowed quantizations when
+        that is what excludes the servers holding them."""
+        banned, adapter, allowed = self.banned(unreachable_only=True), self.config.active_adapter, self.config.allowed_quant
+        blocks = uncovered_blocks(self.block_servers, start, end, banned, adapter, allowed)
+        error = MissingBlocks(blocks)
         if adapter is not None:
-            return MissingBlocks(error.blocks, f"{error} with the LoRA adapter {adapter!r} (servers load adapters with "
-                                               f"`corolla serve ... --adapters`)")
-        return error
+            error = MissingBlocks(blocks, f"{error} with the LoRA adapter {adapter!r} (servers load adapters with "
+                                          f"`corolla serve ... --adapters`)")
+        if allowed is None:
+            return error
+        excluded = sorted({info.quant for b in blocks for _, info in usable_servers(self.block_servers, b, banned, adapter)})
+        if not excluded:
+            return error
+        return MissingBlocks(blocks, f"{error} with quantization in {allowed}: the servers holding them announce "
+                                     f"quantization {excluded}, which ClientConfig.allowed_quant excludes")
 
     async def close(self) -> None:
         for task in [self._pings, *self._probes]:

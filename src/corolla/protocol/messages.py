@@ -18,6 +18,8 @@ MAX_BATCH_SIZE = 1024
 MAX_SESSION_LENGTH = 1 << 20  # tokens; a sanity bound, the server's own limit is usually lower
 MAX_ADAPTER_NAME = 4096  # characters of an adapter's name (a hub repo id or a path)
 
+QUANT_MODES: tuple[str, ...] = ("none", "int8", "nf4")  # weight quantizations a server may announce
+
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -39,7 +41,9 @@ class ServerInfo(_Message):
     cache_tokens_total: int = Field(ge=0)  # KV-cache budget, in tokens (batch rows x positions)
     cache_tokens_free: int = Field(ge=0)
     torch_dtype: str  # "float32", "bfloat16", ...
-    quant: str = "none"
+    quant: str = "none"  # weight quantization of the blocks, one of QUANT_MODES
+    # resident bytes of one hosted block (weights and quantization state), measured after loading; 0 = not announced
+    bytes_per_block: int = Field(default=0, ge=0)
     version: str  # corolla version of the server
     protocol_version: int
     max_session_length: int = Field(gt=0)  # longest max_length this server accepts, in tokens

@@ -45,8 +45,20 @@ class ServerConfig:
             nargs="+",
         ),
     )
-    dtype: str = field(default="float32", metadata=_opt("dtype of the blocks: float32, bfloat16, float16"))
-    quant: str = field(default="none", metadata=_opt("weight quantization", choices=("none", "int8", "nf4")))
+    dtype: str = field(
+        default="float32",
+        metadata=_opt(
+            "dtype the blocks compute in; auto = the checkpoint's dtype on an accelerator, float32 on the CPU",
+            choices=("auto", "float32", "bfloat16", "float16"),
+        ),
+    )
+    quant: str = field(
+        default="none",
+        metadata=_opt(
+            "weight quantization of the blocks' linear layers (bitsandbytes): int8 = LLM.int8(), nf4 = 4-bit NormalFloat",
+            choices=("none", "int8", "nf4"),
+        ),
+    )
     dht_prefix: str | None = field(default=None, metadata=_opt("DHT namespace of the model (default: its name)"))
     cache_tokens: int | None = field(
         default=None, metadata=_opt("KV-cache budget in tokens over all sessions (default: sized from free memory)")

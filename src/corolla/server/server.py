@@ -22,7 +22,6 @@ from corolla.checkpoint import load_config, load_tensors
 from corolla.dht import SwarmNode, create_swarm_node, fetch_block_servers, model_dht_prefix
 from corolla.models import get_family
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.framing import DTYPES
 from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
 from corolla.server.adapters import attach_adapters, read_adapter_config
 from corolla.server.announcer import Announcer
@@ -31,8 +30,10 @@ from corolla.server.block_selection import choose_best_blocks, parse_block_range
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
+from corolla.server.dtype_choice import checkpoint_dtype_name, resolve_dtype
 from corolla.server.handler import ConnectionHandler
 from corolla.server.network import announced_throughput, measure_bandwidth, network_tokens_per_second
+from corolla.server.quantization import check_quant_mode, estimate_block_bytes, quantize_block, resident_bytes
 from corolla.server.tensor_parallel import (
     TensorParallelStack,
     build_tensor_parallel_block,
@@ -52,12 +53,11 @@ class Server:
     """One server; `await Server(config).run()` serves until `stop()` is called or the task is cancelled."""
 
     def __init__(self, config: ServerConfig):
+        check_quant_mode(config.quant)
         if config.tensor_parallel_devices and config.quant != "none":
             raise ValueError("--tensor-parallel-devices cannot be combined with --quant yet; use --quant none")
-        if config.quant != "none":
-            raise ValueError(f"--quant {config.quant} is not supported by this version yet; use --quant none")
-        if config.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {config.dtype!r}")
+        if config.tensor_parallel_devices and config.adapters:
+            raise ValueError("--tensor-parallel-devices cannot be combined with --adapters yet")
         if not config.initial_peers and not config.new_swarm:
             raise ValueError("give --initial-peers of a running swarm, or --new-swarm to start one")
         if config.balance_period < 0 or config.balance_quality < 0:
@@ -67,9 +67,10 @@ class Server:
         if config.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {config.max_batch_size}")
         self.config = config
-        self.dtype = DTYPES[config.dtype]
         self.device = torch.device(config.tensor_parallel_devices[0] if config.tensor_parallel_devices else config.device)
         self.model_config = load_config(config.model, cache_dir=config.cache_dir)
+        self.dtype_name, self.dtype = resolve_dtype(config.dtype, checkpoint_dtype_name(self.model_config), self.device)
+        self.bytes_per_block = 0  # resident bytes of one hosted block, measured once they load
         self.family = get_family(self.model_config)
         if config.tensor_parallel_devices:
             check_tensor_parallel(self.family, self.model_config, config.tensor_parallel_devices)
@@ -99,8 +100,9 @@ class Server:
             throughput=self.throughput,
             cache_tokens_total=budget.total if budget else 0,
             cache_tokens_free=budget.free if budget else 0,
-            torch_dtype=self.config.dtype,
+            torch_dtype=self.dtype_name,
             quant=self.config.quant,
+            bytes_per_block=self.bytes_per_block,
             version=corolla.__version__,
             protocol_version=PROTOCOL_VERSION,
             max_session_length=self.config.max_session_length,
@@ -293,9 +295,18 @@ class Server:
         return tokens
 
     def _default_num_blocks(self) -> int:
-        """As many blocks as fit in half of the available memory (all of them for small models)."""
-        params_per_block = 12 * self.model_config.hidden_size**2  # rough: attention 4h^2 + MLP ~8h^2
-        bytes_per_block = params_per_block * torch.empty((), dtype=self.dtype).element_size()
+        """As many blocks as fit in half of the available memory (all of them for small models), each block's
+        size computed from its shapes (a block built on the meta device) in our dtype and quantization."""
+        default_dtype = torch.get_default_dtype()
+        try:
+            torch.set_default_dtype(self.dtype)
+            with torch.device("meta"):
+                block = self.family.block_class(self.model_config, 0)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        bytes_per_block = estimate_block_bytes(block, self.config.quant, self.dtype)
+        logger.info("sizing: one block takes about %.1f MiB (dtype %s, quant %s)",
+                    bytes_per_block / 2**20, self.dtype_name, self.config.quant)
         return max(1, int(_available_memory() * 0.5 // bytes_per_block))
 
     def _load_blocks(self) -> BlockStack:
@@ -318,9 +329,9 @@ class Server:
             for index in tqdm(indices, desc="loading blocks", unit="block", disable=None):  # a bar on a terminal
                 block = self.family.load_block(self.model_config, index, tensors)
                 if tp_devices:  # split on the host, then each shard moves to its device
-                    block = build_tensor_parallel_block(self.family, self.model_config, block, tp_devices)
-                else:
-                    block = block.to(self.device, self.dtype)
+                    block = build_tensor_parallel_block(self.family, self.model_config, block.to(self.dtype), tp_devices)
+                else:  # quantized (if asked) on its way to the device: a float block never sits on an accelerator
+                    block = quantize_block(block.to(self.dtype), self.config.quant, self.device, self.dtype)
                 blocks.append(block.eval().requires_grad_(False))
         finally:
             torch.set_default_dtype(default_dtype)
@@ -330,7 +341,11 @@ class Server:
                 device=self.device, cache_dir=self.config.cache_dir, max_disk_space=self.config.max_disk_space,
             )
         n_kv_heads, head_dim = self.family.kv_layout(self.model_config)
-        logger.info("loaded blocks %d:%d in %.1fs", self.start_block, self.end_block, time.perf_counter() - begin)
+        self.bytes_per_block = sum(resident_bytes(b) for b in blocks) // len(blocks)
+        logger.info(
+            "loaded blocks %d:%d in %.1fs (dtype %s, quant %s, %.2f MiB per block)", self.start_block, self.end_block,
+            time.perf_counter() - begin, self.dtype_name, self.config.quant, self.bytes_per_block / 2**20,
+        )
         if tp_devices:
             logger.info("tensor parallel: each block split over %d devices: %s", len(tp_devices), " ".join(tp_devices))
             return TensorParallelStack(
@@ -355,7 +370,8 @@ class Server:
         key = {
             "model_type": self.model_config.model_type, "hidden": self.model_config.hidden_size,
             "intermediate": getattr(self.model_config, "intermediate_size", None), "kv": [layout.n_kv_heads, layout.head_dim],
-            "device": str(self.device), "dtype": self.config.dtype, "threads": torch.get_num_threads(),
+            "device": str(self.device), "dtype": self.dtype_name, "threads": torch.get_num_threads(),
+            **({"quant": self.config.quant} if self.config.quant != "none" else {}),  # unquantized keys stay as before
         }
         if isinstance(self.stack, TensorParallelStack):
             key["tensor_parallel_devices"] = list(self.config.tensor_parallel_devices)
