@@ -54,11 +54,13 @@ class DistributedModelForCausalLM(nn.Module):
         return next(self.head.parameters()).device
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> CausalLMOutputWithPast:
-        """Full forward through the swarm (no cache): logits (B, T, vocab)."""
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise NotImplementedError("padded batches (attention_mask with zeros) are not supported yet")
+        """Full forward through the swarm (no cache): logits (B, T, vocab).
+
+        With `attention_mask` (B, T) of 0/1 (e.g. a left-padded batch), each row's real tokens give the logits
+        that row alone would; logits at padded slots are meaningless, as in HF.
+        """
         hidden = self.head.embed(input_ids.to(self.device))  # (B, T, H)
-        hidden = self.transformer(hidden).to(hidden.dtype)
+        hidden = self.transformer(hidden, attention_mask).to(hidden.dtype)
         return CausalLMOutputWithPast(logits=self.head.logits(hidden))
 
     @contextmanager

@@ -34,21 +34,28 @@ class RemoteSequential(nn.Module):
     def __len__(self) -> int:
         return self.end - self.start
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (B, T, H) -> (B, T, H); with `attention_mask` (B, T) of 0/1, padded slots are skipped by the
+        servers (each row sees only its real tokens, numbered from 0) and come back unchanged."""
         if hidden.ndim != 3:
             raise ValueError(f"expected hidden states (batch, length, hidden), got shape {tuple(hidden.shape)}")
-        return run_sync(self._forward(hidden.detach()))
+        mask = None
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
+                raise ValueError(f"attention_mask must have shape {tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}")
+            mask = None if bool(attention_mask.all()) else attention_mask.to(torch.bool).cpu()
+        return run_sync(self._forward(hidden.detach(), mask))
 
     def inference_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
         return InferenceSession(self.manager, max_length, batch_size, start=self.start, end=self.end)
 
-    async def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    async def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         block, x, failures = self.start, hidden, 0
         while block < self.end:
             route = await self.manager.make_forward_route(block, self.end)
             for span in route:
                 try:
-                    x = await self._forward_span(span.peer_id, span.start, span.end, x)
+                    x = await self._forward_span(span.peer_id, span.start, span.end, x, mask)
                     self.manager.forgive(span.peer_id)
                     block = span.end
                 except (PeerUnavailable, RemoteError) as e:
@@ -57,11 +64,13 @@ class RemoteSequential(nn.Module):
                     break  # re-route from `block`
         return x
 
-    async def _forward_span(self, peer_id: str, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
+    async def _forward_span(self, peer_id: str, start: int, end: int, hidden: torch.Tensor,
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
         config = self.manager.config
         connection = await Connection.open(self.manager.node.p2p, peer_id, "forward", config.connect_timeout)
         try:
-            await connection.send(ForwardRequest(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=start, end=end)), [hidden])
+            tensors = [hidden] if mask is None else [hidden, mask]
+            await connection.send(ForwardRequest(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=start, end=end)), tensors)
             reply, tensors = await connection.receive(config.request_timeout)
         finally:
             connection.close()

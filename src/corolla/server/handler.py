@@ -35,6 +35,7 @@ from corolla.server.backend import BlockStack
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
+from corolla.server.padding import check_hypo_ids, check_mask, masked_forward, masked_inference_step, reorder_cache
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,14 @@ class ConnectionHandler:
             raise RequestError(ErrorCode.BAD_REQUEST, f"rpc_forward expects a forward request, got {message.kind}")
         self._check_version(message.protocol_version)
         self._check_blocks(message.blocks)
-        hidden = self._check_hidden(tensors, batch_size=None)
-        output = await self.worker.run(PRIORITY_FORWARD, self.stack.forward, hidden, message.blocks.start, message.blocks.end)
+        hidden = self._check_hidden(tensors[:1], batch_size=None)
+        mask = self._check_mask(tensors, hidden.shape[0], hidden.shape[1])
+        if mask is None:
+            output = await self.worker.run(PRIORITY_FORWARD, self.stack.forward, hidden, message.blocks.start, message.blocks.end)
+        else:
+            output = await self.worker.run(
+                PRIORITY_FORWARD, masked_forward, self.stack, hidden, mask, message.blocks.start, message.blocks.end
+            )
         await write_frame(writer, ForwardResult(), [output.to(hidden.dtype)])
 
     # ------------------------------------------------------------------ rpc_inference
@@ -142,11 +149,16 @@ class ConnectionHandler:
                     return
                 if not isinstance(step, InferenceStep):
                     raise RequestError(ErrorCode.BAD_REQUEST, f"expected an inference step, got {step.kind}")
-                hidden = self._check_hidden(tensors, batch_size=message.batch_size)
+                hidden = self._check_hidden(tensors[:1], batch_size=message.batch_size)
                 if step.position > position:
                     raise RequestError(
                         ErrorCode.BAD_REQUEST, f"step at position {step.position}, but the session holds only {position} tokens"
                     )
+                mask = self._check_mask(tensors, message.batch_size, step.position + hidden.shape[1])
+                if step.hypo_ids is not None:
+                    problem = check_hypo_ids(step.hypo_ids, message.batch_size)
+                    if problem is not None:
+                        raise RequestError(ErrorCode.BAD_REQUEST, problem)
                 if self.fault_armed and self.config.inject_fault is not None:
                     await self._inject_fault(self.config.inject_fault)
                     return  # "drop": end the stream without an answer
@@ -156,7 +168,14 @@ class ConnectionHandler:
                         ErrorCode.SESSION_FULL,
                         f"step would reach {new_position} tokens, past the session's max_length={message.max_length}",
                     )
-                if hidden.shape[1] == 1:  # a decode step: batched with other sessions' steps over the same blocks
+                if step.hypo_ids is not None:  # beam search: rows follow their hypotheses before the step
+                    await self.worker.run(PRIORITY_INFERENCE, reorder_cache, cache, step.hypo_ids, step.position)
+                if mask is not None:  # a padded batch: rows of different lengths, not batched with other sessions
+                    work = self.worker.run(
+                        PRIORITY_INFERENCE, masked_inference_step, self.stack, hidden, mask, cache, step.position,
+                        blocks.start, blocks.end,
+                    )
+                elif hidden.shape[1] == 1:  # a decode step: batched with other sessions' steps over the same blocks
                     work = self.worker.run_batched(
                         PRIORITY_INFERENCE, self.stack.decode_batch, (blocks.start, blocks.end),
                         (hidden, cache, step.position, blocks.start, blocks.end),
@@ -194,6 +213,17 @@ class ConnectionHandler:
             raise RequestError(
                 ErrorCode.NOT_SERVED, f"blocks {blocks} are not served here (this server holds {self.stack.start}:{self.stack.end})"
             )
+
+    def _check_mask(self, tensors: list[torch.Tensor], batch_size: int, length: int) -> torch.Tensor | None:
+        """The optional second tensor of a step or forward: an attention mask (batch_size, length) of 0/1."""
+        if len(tensors) == 1:
+            return None
+        if len(tensors) != 2:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"expected hidden states and an optional attention mask, got {len(tensors)} tensors")
+        problem = check_mask(tensors[1], batch_size, length)
+        if problem is not None:
+            raise RequestError(ErrorCode.BAD_REQUEST, problem)
+        return tensors[1]
 
     def _check_hidden(self, tensors: list[torch.Tensor], batch_size: int | None) -> torch.Tensor:
         if len(tensors) != 1:
