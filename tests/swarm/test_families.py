@@ -100,3 +100,21 @@ def test_two_turn_session_equals_fresh_run_of_concatenated_prompt(family):
         turn2 = model.generate(second, max_new_tokens=6, session=session, eos_token_id=None)
     fresh = reference.generate(torch.cat([turn1, second], dim=1), max_new_tokens=6, do_sample=False, eos_token_id=None)
     assert torch.equal(turn2, fresh)
+
+
+def test_left_padded_batch_equals_each_prompt_alone(family):
+    """Padded slots are skipped on the servers: positions (rotary, ALiBi) and keys count only real tokens."""
+    _, model, reference = family
+    prompts = [[1, 5, 9], [1, 17, 42, 99, 5, 8], [1, 70, 71, 33]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = dict(max_new_tokens=6, eos_token_id=None)
+    got = model.generate(ids, attention_mask=mask, pad_token_id=0, **kwargs)
+    logits = model(ids, attention_mask=mask).logits
+    for row, prompt in enumerate(prompts):
+        alone = reference.generate(torch.tensor([prompt]), do_sample=False, **kwargs)
+        assert torch.equal(got[row, width - len(prompt):], alone[0])
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(logits[row, mask[row].bool()], expected, atol=1e-4, rtol=0)

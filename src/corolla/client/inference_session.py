@@ -62,10 +62,17 @@ class _SpanSession:
             raise
         return cls(span, connection)
 
-    async def step(self, hidden: torch.Tensor, position: int, timeout: float) -> torch.Tensor:
-        """Send hidden (B, T, H) at `position`; returns the span's output (B, T, H) and records the input."""
+    async def step(self, hidden: torch.Tensor, position: int, timeout: float, mask: torch.Tensor | None = None,
+                   hypo_ids: list[int] | None = None) -> torch.Tensor:
+        """Send hidden (B, T, H) at `position`; returns the span's output (B, T, H) and records the input.
+
+        `mask` (B, position + T) is the attention mask of the whole session, sent only for padded batches;
+        `hypo_ids` reorders the cached rows first (beam search), and the recorded history with them, so that a
+        replay rebuilds the reordered caches.
+        """
         self.step_id += 1
-        await self.connection.send(InferenceStep(step_id=self.step_id, position=position), [hidden])
+        tensors = [hidden] if mask is None else [hidden, mask]
+        await self.connection.send(InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids), tensors)
         reply, tensors = await self.connection.receive(timeout)
         if not isinstance(reply, StepResult) or reply.step_id != self.step_id or len(tensors) != 1:
             raise PeerUnavailable(f"server {self.span.peer_id} answered step {self.step_id} with {reply.kind}")
@@ -73,6 +80,8 @@ class _SpanSession:
         if output.shape != hidden.shape:
             raise PeerUnavailable(f"server {self.span.peer_id} returned shape {tuple(output.shape)} for {tuple(hidden.shape)}")
         kept = self.history[:, :position] if self.history is not None else None
+        if kept is not None and hypo_ids is not None:
+            kept = kept[hypo_ids]  # (B, position, H): row i now holds hypothesis hypo_ids[i]'s inputs
         self.history = hidden if kept is None or kept.shape[1] == 0 else torch.cat([kept, hidden], dim=1)
         return output
 
@@ -88,7 +97,8 @@ class InferenceSession:
     """A generation session over blocks [0, num_blocks): `step(hidden)` runs new tokens through every server.
 
     Use as a context manager; closing frees every server's cache. `position` is the number of tokens the servers
-    hold; assigning a smaller value rolls the session back (the next step overwrites from there).
+    hold; `rollback(p)` (or assigning a smaller value) rolls the session back (the next step overwrites from there).
+    `reorder(hypo_ids)` makes rows follow other rows (beam search); padded rows are stepped with an attention mask.
     """
 
     def __init__(self, manager: SequenceManager, max_length: int, batch_size: int = 1, *, start: int = 0, end: int | None = None):
@@ -104,6 +114,8 @@ class InferenceSession:
         self._position = 0
         self.closed = False
         self.output_ids: torch.Tensor | None = None  # every token id this session has seen or produced (set by generate)
+        self.attention_mask: torch.Tensor | None = None  # (B, position) bool while some row is padded, else None
+        self._hypo_ids: list[int] | None = None  # a reordering of the rows not sent to the servers yet
 
     # ------------------------------------------------------------------ public, synchronous
     @property
@@ -112,12 +124,50 @@ class InferenceSession:
 
     @position.setter
     def position(self, value: int) -> None:
-        if not 0 <= value <= self._position:
-            raise ValueError(f"can only roll a session back: position {value} is not within [0, {self._position}]")
-        self._position = value
+        self.rollback(value)
 
-    def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Run hidden (batch_size, T, H) for positions [position, position + T); returns the last block's output."""
+    def rollback(self, position: int) -> None:
+        """Forget every token from `position` on: the next step (or `generate`) continues from there.
+
+        Nothing is sent now; the servers overwrite their caches from `position` with the next step.
+        `output_ids` and the attention mask are cut to `position` tokens. Raises ValueError unless
+        0 <= position <= self.position.
+        """
+        if not 0 <= position <= self._position:
+            raise ValueError(f"can only roll a session back: position {position} is not within [0, {self._position}]")
+        self._position = position
+        if self.output_ids is not None:
+            self.output_ids = self.output_ids[:, :position]
+        if self.attention_mask is not None:
+            self.attention_mask = self.attention_mask[:, :position]
+
+    def reorder(self, hypo_ids: list[int] | torch.Tensor) -> None:
+        """Make row i continue what row hypo_ids[i] holds (beam search); sent to the servers with the next step.
+
+        Successive reorders compose. `output_ids` is reordered now; the attention mask with the next step.
+        Raises ValueError unless there are batch_size ids, each in [0, batch_size).
+        """
+        ids = [int(i) for i in (hypo_ids.tolist() if isinstance(hypo_ids, torch.Tensor) else hypo_ids)]
+        if len(ids) != self.batch_size or not all(0 <= i < self.batch_size for i in ids):
+            raise ValueError(f"hypo_ids must be {self.batch_size} row indices in [0, {self.batch_size}), got {ids}")
+        self._hypo_ids = ids if self._hypo_ids is None else [self._hypo_ids[i] for i in ids]
+        if self.output_ids is not None:
+            self.output_ids = self.output_ids[ids]
+
+    def mask_so_far(self) -> torch.Tensor | None:
+        """The attention mask (B, position) of the tokens the session holds, rows in their current order; None
+        when no row is padded."""
+        if self.attention_mask is None:
+            return None
+        held = self.attention_mask[:, : self._position]
+        return held[self._hypo_ids] if self._hypo_ids is not None else held
+
+    def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run hidden (batch_size, T, H) for positions [position, position + T); returns the last block's output.
+
+        `attention_mask` (batch_size, T), 1 = real token, 0 = padding, covers this step's tokens; the session keeps
+        the mask of the earlier ones. Padded slots are skipped by the servers (their output is their input).
+        """
         if self.closed:
             raise SessionExpired("this inference session is closed")
         if hidden.ndim != 3 or hidden.shape[0] != self.batch_size:
@@ -127,9 +177,27 @@ class InferenceSession:
                 f"the session's max_length={self.max_length} is too short: it holds {self._position} tokens "
                 f"and was given {hidden.shape[1]} more; open the session with a larger max_length"
             )
-        output = run_sync(self._step(hidden))
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(f"attention_mask must have shape {tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}")
+        mask = self._full_mask(attention_mask, hidden.shape[1])
+        hypo_ids = self._hypo_ids
+        output = run_sync(self._step(hidden, mask, hypo_ids))
+        self._hypo_ids = None
         self._position += hidden.shape[1]
+        self.attention_mask = mask
         return output
+
+    def _full_mask(self, new: torch.Tensor | None, length: int) -> torch.Tensor | None:
+        """The mask (B, position + length) to send, or None while no row is padded."""
+        held = self.mask_so_far()  # the servers reorder their rows before this step
+        if held is None and (new is None or bool(new.all())):
+            return None
+        if held is None:
+            held = torch.ones(self.batch_size, self._position, dtype=torch.bool)
+        if new is None:
+            new = torch.ones(self.batch_size, length, dtype=torch.bool)
+        mask = torch.cat([held, new.to(torch.bool).cpu()], dim=1)  # (B, position + length)
+        return None if bool(mask.all()) else mask
 
     def close(self) -> None:
         if not self.closed:
@@ -152,18 +220,19 @@ class InferenceSession:
                 pass
 
     # ------------------------------------------------------------------ event-loop side
-    async def _step(self, hidden: torch.Tensor) -> torch.Tensor:
+    async def _step(self, hidden: torch.Tensor, mask: torch.Tensor | None, hypo_ids: list[int] | None) -> torch.Tensor:
         if self._spans is None:
             self._spans = await self._open_chain(self.start, self.end, history=None)
         x, index, failures = hidden, 0, 0
         while index < len(self._spans):
             span = self._spans[index]
             try:
-                x_out = await span.step(x, self._position, self.config.request_timeout)
+                x_out = await span.step(x, self._position, self.config.request_timeout, mask, hypo_ids)
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, failures, span.span)
                 await span.close()
                 await self.manager.backoff(failures)
+                # the replacement gets the history as it was before this step (not reordered yet), then this step
                 history = span.history[:, : self._position] if span.history is not None else None
                 self._spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
                 continue
@@ -188,7 +257,7 @@ class InferenceSession:
                     session = await _SpanSession.open(self.manager, span, self.max_length, self.batch_size, self.config)
                     opened.append(session)
                     if x is not None and x.shape[1] > 0:
-                        x = await session.step(x, 0, self.config.request_timeout)
+                        x = await session.step(x, 0, self.config.request_timeout, self._replay_mask(x.shape[1]))
             except (PeerUnavailable, RemoteError) as e:
                 await self._close_spans(opened)
                 failures = self.manager.after_failure(e, failures, span)
@@ -199,6 +268,14 @@ class InferenceSession:
                 raise
             logger.debug("session route %d:%d -> %s", start, end, [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened])
             return opened
+
+    def _replay_mask(self, length: int) -> torch.Tensor | None:
+        """The mask of the first `length` positions held before the current step (not reordered yet, like the
+        replayed history), or None if none is padded."""
+        if self.attention_mask is None:
+            return None
+        mask = self.attention_mask[:, :length]
+        return None if bool(mask.all()) else mask
 
     @staticmethod
     async def _close_spans(spans: Sequence[_SpanSession]) -> None:

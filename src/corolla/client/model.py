@@ -58,20 +58,26 @@ class DistributedModelForCausalLM(nn.Module):
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> CausalLMOutputWithPast:
         """Full forward through the swarm (no cache): logits (B, T, vocab), from input_ids (B, T) or inputs_embeds
-        (B, T, H). Differentiable w.r.t. inputs_embeds and the prompts when grad is enabled (rpc_backward)."""
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise NotImplementedError("padded batches (attention_mask with zeros) are not supported yet")
-        return CausalLMOutputWithPast(logits=self.head.logits(self.block_outputs(input_ids, inputs_embeds)))
+        (B, T, H). Differentiable w.r.t. inputs_embeds and the prompts when grad is enabled (rpc_backward).
 
-    def block_outputs(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        With `attention_mask` (B, T) of 0/1 (e.g. a left-padded batch), each row's real tokens give the logits
+        that row alone would; logits at padded slots are meaningless, as in HF.
+        """
+        return CausalLMOutputWithPast(logits=self.head.logits(self.block_outputs(input_ids, inputs_embeds, attention_mask)))
+
+    def block_outputs(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The last block's hidden states (B, T, H) for input_ids (B, T) or inputs_embeds (B, T, H), before the
         final norm; with prompt tuning the prompts run through the blocks too and are dropped from the result."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden = self.head.embed(input_ids.to(self.device)) if input_ids is not None else inputs_embeds  # (B, T, H)
+        padded = attention_mask is not None and not bool(attention_mask.all())
         if self.ptune is not None:
+            if padded:
+                raise NotImplementedError("padded batches (attention_mask with zeros) are not supported with prompt tuning yet")
             return self.ptune.run(self.transformer, hidden)
-        return self.transformer(hidden).to(hidden.dtype)
+        return self.transformer(hidden, attention_mask if padded else None).to(hidden.dtype)
 
     @contextmanager
     def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:

@@ -31,6 +31,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "int64": torch.int64,
     "int32": torch.int32,
+    "bool": torch.bool,  # attention masks
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

@@ -92,15 +92,26 @@ class SessionOpened(_Message):
 
 
 class InferenceStep(_Message):
-    """One step: one tensor `hidden` (batch_size, T, hidden_size) whose first token sits at `position`.
+    """One step: tensor `hidden` (batch_size, T, hidden_size) whose first token sits at `position`, optionally
+    followed by tensor `attention_mask` (batch_size, position + T), bool: 1 = a real token, 0 = padding.
 
     `position` may be smaller than the tokens the server already holds: the cache is then rolled back to it
     (this is how a client rewinds or replays history).
+
+    `hypo_ids` (beam search): before computing the step, the server reorders the batch rows of its cache so that
+    new row i holds what old row hypo_ids[i] held (every id in [0, batch_size); repeats allowed).
+
+    `attention_mask` (padded batches) covers every position of the session so far, not only this step's: the
+    server keeps no mask state, so rollback and reordering need no extra protocol. A padded slot is skipped:
+    it is neither cached nor attended to, and each row's rotary/ALiBi positions count only its real tokens
+    (HF's ``cumsum(mask) - 1``). The output at padded slots is the input, unchanged. A client sends the mask
+    only while some row of [0, position + T) is padded.
     """
 
     kind: Literal["inference_step"] = "inference_step"
     step_id: int = Field(ge=0)
     position: int = Field(ge=0)
+    hypo_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_BATCH_SIZE)
 
 
 class StepResult(_Message):
@@ -117,10 +128,14 @@ class CloseSession(_Message):
 
 # ---------------------------------------------------------------- rpc_forward / rpc_info
 class ForwardRequest(_Message):
-    """A full forward pass without cache over `blocks`; one tensor `hidden` (B, T, hidden_size).
+    """A full forward pass without cache over `blocks`: tensor `hidden` (B, T, hidden_size), optionally followed by
+    one or both of (told apart by dtype):
 
-    Deep prompt tuning adds a second tensor `prompts` (end - start, P, hidden_size), P <= T: before block i the
-    server adds prompts[i - start] to the hidden states of positions [0, P) (every batch row).
+    - `attention_mask` (B, T), bool or integer, with the meaning InferenceStep gives it (padded slots are skipped);
+    - `prompts` (end - start, P, hidden_size), floating point, P <= T, for deep prompt tuning: before block i the
+      server adds prompts[i - start] to the hidden states of positions [0, P) (every batch row).
+
+    Both together are refused (not supported yet).
     """
 
     kind: Literal["forward"] = "forward"

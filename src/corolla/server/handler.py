@@ -42,6 +42,7 @@ from corolla.server.backward import check_grad_output, check_prompts
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, PRIORITY_LONG_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
+from corolla.server.padding import check_hypo_ids, check_mask, masked_forward, masked_inference_step, reorder_cache
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +115,16 @@ class ConnectionHandler:
         self._check_version(message.protocol_version)
         self._check_blocks(message.blocks)
         self._check_adapter(message.active_adapter)
-        hidden = self._check_hidden(tensors[:1] if len(tensors) == 2 else tensors, batch_size=None)
-        prompts = self._check_prompts(tensors[1], hidden, message.blocks) if len(tensors) == 2 else None
-        forward = self.adapters.bind(self.stack.forward, message.active_adapter)
-        output = await self.worker.run(PRIORITY_FORWARD, forward, hidden, message.blocks.start, message.blocks.end, prompts)
+        hidden = self._check_hidden(tensors[:1], batch_size=None)
+        mask, prompts = self._forward_extras(tensors[1:], hidden, message.blocks)
+        if mask is None:
+            forward = self.adapters.bind(self.stack.forward, message.active_adapter)
+            output = await self.worker.run(PRIORITY_FORWARD, forward, hidden, message.blocks.start, message.blocks.end, prompts)
+        else:
+            output = await self.worker.run(
+                PRIORITY_FORWARD, self.adapters.bind(masked_forward, message.active_adapter), self.stack, hidden, mask,
+                message.blocks.start, message.blocks.end,
+            )
         await write_frame(writer, ForwardResult(), [output.to(hidden.dtype)])
 
     # ------------------------------------------------------------------ rpc_backward
@@ -192,11 +199,16 @@ class ConnectionHandler:
                     return
                 if not isinstance(step, InferenceStep):
                     raise RequestError(ErrorCode.BAD_REQUEST, f"expected an inference step, got {step.kind}")
-                hidden = self._check_hidden(tensors, batch_size=message.batch_size)
+                hidden = self._check_hidden(tensors[:1], batch_size=message.batch_size)
                 if step.position > position:
                     raise RequestError(
                         ErrorCode.BAD_REQUEST, f"step at position {step.position}, but the session holds only {position} tokens"
                     )
+                mask = self._check_mask(tensors, message.batch_size, step.position + hidden.shape[1])
+                if step.hypo_ids is not None:
+                    problem = check_hypo_ids(step.hypo_ids, message.batch_size)
+                    if problem is not None:
+                        raise RequestError(ErrorCode.BAD_REQUEST, problem)
                 if self.fault_armed and self.config.inject_fault is not None:
                     await self._inject_fault(self.config.inject_fault)
                     return  # "drop": end the stream without an answer
@@ -206,7 +218,14 @@ class ConnectionHandler:
                         ErrorCode.SESSION_FULL,
                         f"step would reach {new_position} tokens, past the session's max_length={message.max_length}",
                     )
-                if hidden.shape[1] == 1:  # a decode step: batched with other sessions' steps over the same blocks
+                if step.hypo_ids is not None:  # beam search: rows follow their hypotheses before the step
+                    await self.worker.run(PRIORITY_INFERENCE, reorder_cache, cache, step.hypo_ids, step.position)
+                if mask is not None:  # a padded batch: rows of different lengths, not batched with other sessions
+                    work = self.worker.run(
+                        PRIORITY_INFERENCE, self.adapters.bind(masked_inference_step, adapter), self.stack, hidden, mask,
+                        cache, step.position, blocks.start, blocks.end,
+                    )
+                elif hidden.shape[1] == 1:  # a decode step: batched with other sessions' steps over the same blocks
                     work = self.worker.run_batched(  # only steps of the same adapter run together
                         PRIORITY_INFERENCE, self.adapters.bind(self.stack.decode_batch, adapter),
                         (blocks.start, blocks.end, adapter), (hidden, cache, step.position, blocks.start, blocks.end),
@@ -276,6 +295,31 @@ class ConnectionHandler:
             return check_prompts(prompts, hidden, blocks.end - blocks.start)
         except ValueError as e:
             raise RequestError(ErrorCode.BAD_REQUEST, str(e)) from None
+
+    def _check_mask(self, tensors: list[torch.Tensor], batch_size: int, length: int) -> torch.Tensor | None:
+        """The optional second tensor of a step: an attention mask (batch_size, length) of 0/1."""
+        if len(tensors) == 1:
+            return None
+        if len(tensors) != 2:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"expected hidden states and an optional attention mask, got {len(tensors)} tensors")
+        problem = check_mask(tensors[1], batch_size, length)
+        if problem is not None:
+            raise RequestError(ErrorCode.BAD_REQUEST, problem)
+        return tensors[1]
+
+    def _forward_extras(self, extras: list[torch.Tensor], hidden: torch.Tensor, blocks: BlockRange
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(attention_mask, deep prompts) from the tensors after `hidden` in a forward request, told apart by dtype:
+        a mask is bool or integer, prompts are floating point. Each may appear once; not both together."""
+        masks = [t for t in extras if not t.is_floating_point()]
+        prompts = [t for t in extras if t.is_floating_point()]
+        if len(masks) > 1 or len(prompts) > 1:
+            raise RequestError(ErrorCode.BAD_REQUEST, "a forward request takes hidden states, then at most one attention "
+                                                      f"mask and one prompts tensor; got {len(extras)} extra tensors")
+        if masks and prompts:
+            raise RequestError(ErrorCode.BAD_REQUEST, "deep prompts with a padded batch (attention_mask) are not supported")
+        mask = self._check_mask([hidden, *masks], hidden.shape[0], hidden.shape[1]) if masks else None
+        return mask, (self._check_prompts(prompts[0], hidden, blocks) if prompts else None)
 
     def _check_hidden(self, tensors: list[torch.Tensor], batch_size: int | None) -> torch.Tensor:
         if len(tensors) != 1:

@@ -1,0 +1,148 @@
+"""Padded batches and beam reordering on a server: the math behind InferenceStep's attention_mask and hypo_ids.
+
+A padded slot is simply skipped. Row i of a session keeps only its real tokens, packed at the front of its
+cache rows, so a left-padded row is an ordinary row that started later:
+
+    slots sent      [pad pad  a   b   c ]      mask  [0 0 1 1 1]
+    row i's cache   [ a   b   c   .   . ]      its positions 0, 1, 2 = cumsum(mask) - 1, as HF numbers them
+
+Every family's block then needs nothing new: rotary and ALiBi positions, key masking and sliding windows all
+follow from each row's own length. Rows that hold the same number of tokens and get the same real slots in a
+step run together as one batched block call; single-token steps of rows at different lengths go through the
+ragged (per-row position) attention that continuous batching uses. The output at a padded slot is its input.
+
+Everything here runs on the compute thread.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from corolla.server.backend import BlockStack, KVCache
+
+
+def check_hypo_ids(hypo_ids: list[int], batch_size: int) -> str | None:
+    """None if `hypo_ids` is a valid reordering of a batch of `batch_size` rows, else what is wrong."""
+    if len(hypo_ids) != batch_size:
+        return f"hypo_ids has {len(hypo_ids)} entries, the session's batch size is {batch_size}"
+    bad = [i for i in hypo_ids if not 0 <= i < batch_size]
+    if bad:
+        return f"hypo_ids {bad[:5]} out of range [0, {batch_size})"
+    return None
+
+
+def check_mask(mask: torch.Tensor, batch_size: int, length: int) -> str | None:
+    """None if `mask` is a (batch_size, length) 0/1 attention mask (bool or integer), else what is wrong."""
+    if mask.dtype not in (torch.bool, torch.int32, torch.int64):
+        return f"attention_mask must be bool or integer, got {mask.dtype}"
+    if tuple(mask.shape) != (batch_size, length):
+        return f"attention_mask must have shape ({batch_size}, {length}), got {tuple(mask.shape)}"
+    values = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    if values.numel() and not bool(((values == 0) | (values == 1)).all()):
+        return "attention_mask may only hold 0 and 1"
+    return None
+
+
+@torch.inference_mode()
+def reorder_cache(cache: KVCache, hypo_ids: list[int], length: int) -> None:
+    """In place: row i of every block's keys and values becomes old row hypo_ids[i], over slots [0, length)."""
+    ids = torch.tensor(hypo_ids, dtype=torch.long)
+    if torch.equal(ids, torch.arange(len(hypo_ids))):
+        return  # the identity: nothing moves (common when every beam continued itself)
+    for entry in cache:
+        for keys, values in _kv_pairs(entry):
+            ids = ids.to(keys.device)
+            for tensor in (keys, values):  # (B, n_kv_heads, S_max, head_dim)
+                tensor[:, :, :length] = tensor[:, :, :length].index_select(0, ids)
+
+
+def _kv_pairs(entry) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (keys, values) pairs of one block's cache entry: one pair, or one per shard (tensor parallelism)."""
+    if isinstance(entry[0], torch.Tensor):
+        return [entry]
+    return list(entry)
+
+
+def _entry_rows(entry, r0: int, r1: int):
+    """Rows [r0, r1) of one block's cache entry, as views, in the entry's own layout."""
+    if isinstance(entry[0], torch.Tensor):
+        return (entry[0][r0:r1], entry[1][r0:r1])
+    return tuple((keys[r0:r1], values[r0:r1]) for keys, values in entry)
+
+
+def _runs(starts: list[int], patterns: list[tuple[bool, ...]]) -> list[tuple[int, int]]:
+    """Maximal ranges [r0, r1) of consecutive rows sharing the same start and the same real-slot pattern."""
+    runs: list[tuple[int, int]] = []
+    for row in range(len(starts)):
+        if runs and starts[row] == starts[runs[-1][0]] and patterns[row] == patterns[runs[-1][0]]:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
+
+
+@torch.inference_mode()
+def masked_inference_step(
+    stack: BlockStack, hidden: torch.Tensor, mask: torch.Tensor, cache: KVCache, position: int, start: int, end: int
+) -> torch.Tensor:
+    """A session step of hidden (B, T, H) at `position` with attention_mask (B, position + T); returns (B, T, H).
+
+    Row i holds mask[i, :position].sum() tokens in its cache; its real slots of this step are appended there.
+    """
+    x = hidden.to(stack.device, stack.dtype)
+    mask = mask.to(torch.bool).cpu()
+    starts = mask[:, :position].sum(dim=1).tolist()  # tokens each row holds before this step
+    new = mask[:, position:]  # (B, T): which slots of this step are real
+    out = x.clone()  # padded slots pass through unchanged
+    if x.shape[1] == 1 and len(set(starts)) > 1:
+        rows = new[:, 0].nonzero().flatten().tolist()
+        if rows:
+            out[rows] = _ragged_decode(stack, x[rows], [cache_rows(cache, r, r + 1) for r in rows],
+                                       [starts[r] for r in rows], start, end)
+        return out
+    patterns = [tuple(row) for row in new.tolist()]
+    for r0, r1 in _runs(starts, patterns):
+        slots = new[r0].nonzero().flatten()  # (n,) the real slots of these rows
+        if slots.numel() == 0:
+            continue
+        part = x[r0:r1, slots]  # (b, n, H)
+        out[r0:r1, slots] = stack.inference_step(part, cache_rows(cache, r0, r1), starts[r0], start, end)
+    return out
+
+
+def cache_rows(cache: KVCache, r0: int, r1: int) -> KVCache:
+    """Views of rows [r0, r1) of every block's cache: writes through them land in the session's cache."""
+    return [_entry_rows(entry, r0, r1) for entry in cache]
+
+
+def _ragged_decode(stack: BlockStack, x: torch.Tensor, caches: list[KVCache], positions: list[int],
+                   start: int, end: int) -> torch.Tensor:
+    """One token per row (x: (b, 1, H)), row j at its own position with its own (1-row) cache."""
+    for index in range(start, end):
+        j = index - start
+        ragged = stack.ragged_kv([(c, 0, position) for c, position in zip(caches, positions)], j)
+        x = stack.blocks[index - stack.start](x, ragged, 0)
+    return x
+
+
+@torch.inference_mode()
+def masked_forward(stack: BlockStack, hidden: torch.Tensor, mask: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """A cache-less forward of hidden (B, T, H) with attention_mask (B, T) through blocks [start, end).
+
+    Rows with the same mask run together; each row sees only its real tokens, numbered from 0.
+    """
+    x = hidden.to(stack.device, stack.dtype)
+    mask = mask.to(torch.bool).cpu()
+    out = x.clone()
+    groups: dict[tuple[bool, ...], list[int]] = {}
+    for row, pattern in enumerate(mask.tolist()):
+        groups.setdefault(tuple(pattern), []).append(row)
+    for pattern, rows in groups.items():
+        slots = torch.tensor(pattern).nonzero().flatten()  # (n,)
+        if slots.numel() == 0:
+            continue
+        index = torch.tensor(rows)
+        part = x[index][:, slots]  # (b, n, H)
+        result = stack.forward(part, start, end)  # (b, n, H)
+        out[index[:, None], slots[None, :]] = result
+    return out

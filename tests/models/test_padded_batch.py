@@ -1,0 +1,134 @@
+"""Padded batches and beam reordering on a server, for every family: each row of a left-padded batch gives
+exactly what that row gives alone (forward, prefill, ragged decode steps, multi-token steps, reordering)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    FalconConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from corolla.models import get_family
+from corolla.server.backend import BlockStack, KVLayout
+from corolla.server.padding import check_hypo_ids, check_mask, masked_forward, masked_inference_step, reorder_cache
+
+BASE = dict(vocab_size=64, hidden_size=64, num_attention_heads=4, initializer_range=0.1)
+LLAMA = dict(BASE, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2)
+CONFIGS = {
+    "llama": LlamaConfig(**LLAMA),
+    "mistral-window3": MistralConfig(**LLAMA, sliding_window=3),
+    "qwen2": Qwen2Config(**LLAMA),
+    "qwen3": Qwen3Config(**LLAMA, head_dim=16),
+    "mixtral": MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2),
+    "bloom": BloomConfig(**BASE, n_layer=2),
+    "falcon-7b-style": FalconConfig(**BASE, num_hidden_layers=2, multi_query=True, new_decoder_architecture=False),
+    "falcon-40b-style": FalconConfig(**BASE, num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=2),
+}
+LENGTHS = (5, 2, 7)  # real tokens of the three rows, left-padded to 7
+ATOL = 1e-5
+
+
+def make_stack(config) -> BlockStack:
+    torch.manual_seed(0)
+    family = get_family(config)
+    state = {family.canonical_name(k): v for k, v in AutoModelForCausalLM.from_config(config).eval().state_dict().items()}
+    blocks = [family.load_block(config, i, state).eval() for i in range(family.num_blocks(config))]
+    return BlockStack(blocks, 0, config.hidden_size, KVLayout(*family.kv_layout(config)), torch.float32, torch.device("cpu"))
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (1, n_i, H) -> hidden (B, max n, H) with zeros on the left, and the bool mask (B, max n)."""
+    width = max(r.shape[1] for r in rows)
+    hidden = torch.zeros(len(rows), width, rows[0].shape[2])
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        hidden[i, width - r.shape[1]:] = r[0]
+        mask[i, width - r.shape[1]:] = True
+    return hidden, mask
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_padded_forward_rows_equal_each_row_alone(name):
+    stack = make_stack(CONFIGS[name])
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randn(1, n, 64, generator=gen) for n in LENGTHS]
+    hidden, mask = left_padded(rows)
+    out = masked_forward(stack, hidden, mask, 0, 2)
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(out[i, mask[i]], stack.forward(row, 0, 2)[0], atol=ATOL, rtol=0)
+    assert torch.equal(out[~mask], hidden[~mask])  # padded slots come back unchanged
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_padded_session_steps_equal_each_row_alone(name):
+    """Prefill a left-padded batch, three single-token steps (rows at different lengths), then a 2-token step."""
+    stack = make_stack(CONFIGS[name])
+    gen = torch.Generator().manual_seed(2)
+    rows = [torch.randn(1, n, 64, generator=gen) for n in LENGTHS]
+    steps = [torch.randn(3, 1, 64, generator=gen) for _ in range(3)] + [torch.randn(3, 2, 64, generator=gen)]
+    hidden, mask = left_padded(rows)
+    cache = stack.allocate_cache(3, 16, 0, 2)
+    outputs = [masked_inference_step(stack, hidden, mask, cache, 0, 0, 2)]
+    position = hidden.shape[1]
+    for step in steps:
+        mask = torch.cat([mask, torch.ones(3, step.shape[1], dtype=torch.bool)], dim=1)
+        outputs.append(masked_inference_step(stack, step, mask, cache, position, 0, 2))
+        position += step.shape[1]
+    for i, row in enumerate(rows):
+        alone = stack.allocate_cache(1, 16, 0, 2)
+        expected = [stack.inference_step(row, alone, 0, 0, 2)]
+        at = row.shape[1]
+        for step in steps:
+            expected.append(stack.inference_step(step[i : i + 1], alone, at, 0, 2))
+            at += step.shape[1]
+        torch.testing.assert_close(outputs[0][i, -row.shape[1]:], expected[0][0], atol=ATOL, rtol=0)
+        for got, want in zip(outputs[1:], expected[1:]):
+            torch.testing.assert_close(got[i], want[0], atol=ATOL, rtol=0)
+
+
+def test_rollback_of_a_padded_session_recomputes_each_row_length():
+    stack = make_stack(CONFIGS["llama"])
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randn(1, n, 64, generator=gen) for n in LENGTHS]
+    hidden, mask = left_padded(rows)
+    cache = stack.allocate_cache(3, 16, 0, 2)
+    masked_inference_step(stack, hidden, mask, cache, 0, 0, 2)
+    step = torch.randn(3, 1, 64, generator=gen)
+    full = torch.cat([mask, torch.ones(3, 1, dtype=torch.bool)], dim=1)
+    first = masked_inference_step(stack, step, full, cache, 7, 0, 2)
+    masked_inference_step(stack, torch.randn(3, 1, 64, generator=gen), torch.cat([full, torch.ones(3, 1, dtype=torch.bool)], 1),
+                          cache, 8, 0, 2)
+    again = masked_inference_step(stack, step, full, cache, 7, 0, 2)  # rolled back to position 7
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+
+
+def test_reordered_cache_continues_the_chosen_rows():
+    stack = make_stack(CONFIGS["qwen3"])
+    gen = torch.Generator().manual_seed(4)
+    prompt, step = torch.randn(3, 4, 64, generator=gen), torch.randn(3, 1, 64, generator=gen)
+    cache = stack.allocate_cache(3, 16, 0, 2)
+    stack.inference_step(prompt, cache, 0, 0, 2)
+    hypo_ids = [2, 0, 0]
+    reorder_cache(cache, hypo_ids, 4)
+    got = stack.inference_step(step, cache, 4, 0, 2)
+    fresh = stack.allocate_cache(3, 16, 0, 2)
+    stack.inference_step(prompt[hypo_ids], fresh, 0, 0, 2)
+    torch.testing.assert_close(got, stack.inference_step(step, fresh, 4, 0, 2), atol=ATOL, rtol=0)
+
+
+def test_bad_hypo_ids_and_masks_are_named():
+    assert check_hypo_ids([0, 1], 2) is None
+    assert "out of range" in check_hypo_ids([0, 2], 2)
+    assert "entries" in check_hypo_ids([0], 2)
+    assert check_mask(torch.ones(2, 3, dtype=torch.bool), 2, 3) is None
+    assert "shape" in check_mask(torch.ones(2, 4, dtype=torch.bool), 2, 3)
+    assert "0 and 1" in check_mask(torch.full((2, 3), 2), 2, 3)
+    assert "bool or integer" in check_mask(torch.ones(2, 3), 2, 3)
