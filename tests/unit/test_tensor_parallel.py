@@ -185,3 +185,24 @@ def test_shards_on_cuda_equal_unsharded_block(case_id: str) -> None:
     for position, length in [(0, 5), (5, 1), (6, 1)]:
         x = torch.randn(2, length, config.hidden_size, device="cuda:0")
         assert_close(sharded.inference_step(x, shard_cache, position, 0, 2), full.inference_step(x, full_cache, position, 0, 2))
+
+
+@pytest.mark.parametrize("num_shards", [2, 3])
+def test_padded_steps_and_beam_reordering_work_on_sharded_caches(num_shards: int) -> None:
+    """The padded-batch and beam-search paths (server.padding) take per-shard caches as they take plain ones."""
+    from corolla.server.padding import masked_inference_step, reorder_cache
+
+    plain, sharded = make_stacks("llama-gqa", num_shards)
+    torch.manual_seed(1)
+    hidden = torch.randn(3, 5, plain.hidden_size)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    outputs = []
+    for stack in (plain, sharded):
+        cache = stack.allocate_cache(3, 16, 0, 2)
+        prefill = masked_inference_step(stack, hidden, mask, cache, 0, 0, 2)  # (3, 5, H)
+        reorder_cache(cache, [2, 2, 0], 5)
+        step_mask = torch.cat([mask[[2, 2, 0]], torch.ones(3, 1, dtype=torch.bool)], dim=1)
+        decode = masked_inference_step(stack, hidden[:, :1] * 0.5, step_mask, cache, 5, 0, 2)  # rows of 4, 4, 3 tokens
+        outputs.append((prefill, decode))
+    for actual, expected in zip(outputs[1], outputs[0]):
+        assert_close(actual, expected)
