@@ -6,6 +6,7 @@ each in its own process group, and always ends those groups (p2pd included), eve
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,3 +101,22 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
         if value or time.monotonic() >= deadline:
             return bool(value)
         time.sleep(interval)
+
+
+class FakeHub:
+    """Serves a local directory as a hub repo; like hf_hub_download, reuses a file already in the cache."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.downloads: list[str] = []
+
+    def list_files(self, repo_id, *, revision, token, cache_dir):
+        return {p.name: p.stat().st_size for p in sorted(self.root.iterdir())}
+
+    def download(self, repo_id, filename, *, revision, token, cache_dir):
+        target = Path(cache_dir) / "fake-hub" / repo_id.replace("/", "--") / (revision or "main") / filename
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.root / filename, target)
+            self.downloads.append(filename)
+        return target

@@ -8,12 +8,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FakeHub
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from corolla.checkpoint import CheckpointSource, checkpoint_files_for, load_config, load_tensors
-from corolla.checkpoint import reader, source
-from corolla.checkpoint.disk_cache import CacheEntry, DiskCache, DiskSpaceError, choose_evictions
+from corolla.checkpoint import (
+    CheckpointSource,
+    checkpoint_files_for,
+    load_config,
+    load_tensors,
+    reader,
+    source,
+)
+from corolla.checkpoint.disk_cache import (
+    CacheEntry,
+    DiskCache,
+    DiskSpaceError,
+    choose_evictions,
+)
 
 FORMATS = ["single", "sharded", "bin", "binshard"]
 
@@ -193,25 +205,6 @@ def test_load_config_reads_a_local_directory(checkpoints, tmp_path):
 
 
 # ---------------------------------------------------------------- hub path, with a fake hub
-
-
-class FakeHub:
-    """Serves a local directory as a hub repo; like hf_hub_download, reuses a file already in the cache."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.downloads: list[str] = []
-
-    def list_files(self, repo_id, *, revision, token, cache_dir):
-        return {p.name: p.stat().st_size for p in sorted(self.root.iterdir())}
-
-    def download(self, repo_id, filename, *, revision, token, cache_dir):
-        target = Path(cache_dir) / "fake-hub" / repo_id.replace("/", "--") / (revision or "main") / filename
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(self.root / filename, target)
-            self.downloads.append(filename)
-        return target
 
 
 class UnreachableHub:

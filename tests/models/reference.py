@@ -12,13 +12,36 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    FalconConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from corolla.models import get_family
 
 ATOL = 1e-5  # float32 tolerance against the HF reference
 VOCAB = 128  # vocabulary of the tiny test configs
 Caches = list[tuple[Tensor, Tensor]]  # one (k_cache, v_cache) per block, each (B, n_kv_heads, S_max, head_dim)
+TINY_BASE = dict(vocab_size=64, hidden_size=64, num_attention_heads=4, initializer_range=0.1)
+TINY_LLAMA = dict(TINY_BASE, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2)
+# one tiny config per family variant, for the tests that run every family's blocks
+FAMILY_CONFIGS = {
+    "llama": LlamaConfig(**TINY_LLAMA),
+    "mistral-window3": MistralConfig(**TINY_LLAMA, sliding_window=3),
+    "qwen2": Qwen2Config(**TINY_LLAMA),
+    "qwen3": Qwen3Config(**TINY_LLAMA, head_dim=16),
+    "mixtral": MixtralConfig(**TINY_LLAMA, num_local_experts=4, num_experts_per_tok=2),
+    "bloom": BloomConfig(**TINY_BASE, n_layer=2),
+    "falcon-7b-style": FalconConfig(**TINY_BASE, num_hidden_layers=2, multi_query=True, new_decoder_architecture=False),
+    "falcon-40b-style": FalconConfig(**TINY_BASE, num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=2),
+}
 # prefill 7, five single steps, a 3-token chunk
 DECODE_CHUNKS: tuple[tuple[int, int], ...] = ((0, 7), *((t, t + 1) for t in range(7, 12)), (12, 15))
 

@@ -8,15 +8,22 @@ adapter; our blocks load the base weights and the adapter through ``corolla.serv
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import FakeHub
 from peft import LoraConfig, get_peft_model
 from reference import ATOL, load_ours, make_caches, make_reference, run_stack, token_ids
 from torch import nn
-from transformers import BloomConfig, FalconConfig, LlamaConfig, MixtralConfig, PretrainedConfig, Qwen3Config
+from transformers import (
+    BloomConfig,
+    FalconConfig,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen3Config,
+)
 
 from corolla.models import get_family
 from corolla.models.lora import LoraLinear, using_adapter
@@ -184,24 +191,6 @@ def test_adapter_saved_as_bin_loads_the_same(tmp_path: Path):
     ids = token_ids()
     with torch.no_grad(), using_adapter(str(tmp_path / "bin")):
         torch.testing.assert_close(run_stack(blocks, head, ids), peft_model(ids).logits, atol=LOGITS_ATOL, rtol=0)
-
-
-class FakeHub:
-    """Serves a local directory as a hub repo (copies into the cache), recording what it downloaded."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.downloads: list[str] = []
-
-    def list_files(self, repo_id, *, revision, token, cache_dir):
-        return {p.name: p.stat().st_size for p in sorted(self.root.iterdir())}
-
-    def download(self, repo_id, filename, *, revision, token, cache_dir):
-        target = Path(cache_dir) / repo_id.replace("/", "--") / filename
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(self.root / filename, target)
-        self.downloads.append(filename)
-        return target
 
 
 def test_adapter_from_a_hub_repo_fetches_only_its_config_and_weights(tmp_path: Path):

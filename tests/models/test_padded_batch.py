@@ -5,33 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import FAMILY_CONFIGS
 from transformers import (
     AutoModelForCausalLM,
-    BloomConfig,
-    FalconConfig,
-    LlamaConfig,
-    MistralConfig,
-    MixtralConfig,
-    Qwen2Config,
-    Qwen3Config,
 )
 
 from corolla.models import get_family
 from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.padding import check_hypo_ids, check_mask, masked_forward, masked_inference_step, reorder_cache
+from corolla.server.padding import (
+    check_hypo_ids,
+    check_mask,
+    masked_forward,
+    masked_inference_step,
+    reorder_cache,
+)
 
-BASE = dict(vocab_size=64, hidden_size=64, num_attention_heads=4, initializer_range=0.1)
-LLAMA = dict(BASE, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2)
-CONFIGS = {
-    "llama": LlamaConfig(**LLAMA),
-    "mistral-window3": MistralConfig(**LLAMA, sliding_window=3),
-    "qwen2": Qwen2Config(**LLAMA),
-    "qwen3": Qwen3Config(**LLAMA, head_dim=16),
-    "mixtral": MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2),
-    "bloom": BloomConfig(**BASE, n_layer=2),
-    "falcon-7b-style": FalconConfig(**BASE, num_hidden_layers=2, multi_query=True, new_decoder_architecture=False),
-    "falcon-40b-style": FalconConfig(**BASE, num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=2),
-}
 LENGTHS = (5, 2, 7)  # real tokens of the three rows, left-padded to 7
 ATOL = 1e-5
 
@@ -55,9 +43,9 @@ def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return hidden, mask
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
 def test_padded_forward_rows_equal_each_row_alone(name):
-    stack = make_stack(CONFIGS[name])
+    stack = make_stack(FAMILY_CONFIGS[name])
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randn(1, n, 64, generator=gen) for n in LENGTHS]
     hidden, mask = left_padded(rows)
@@ -67,10 +55,10 @@ def test_padded_forward_rows_equal_each_row_alone(name):
     assert torch.equal(out[~mask], hidden[~mask])  # padded slots come back unchanged
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
 def test_padded_session_steps_equal_each_row_alone(name):
     """Prefill a left-padded batch, three single-token steps (rows at different lengths), then a 2-token step."""
-    stack = make_stack(CONFIGS[name])
+    stack = make_stack(FAMILY_CONFIGS[name])
     gen = torch.Generator().manual_seed(2)
     rows = [torch.randn(1, n, 64, generator=gen) for n in LENGTHS]
     steps = [torch.randn(3, 1, 64, generator=gen) for _ in range(3)] + [torch.randn(3, 2, 64, generator=gen)]
@@ -95,7 +83,7 @@ def test_padded_session_steps_equal_each_row_alone(name):
 
 
 def test_rollback_of_a_padded_session_recomputes_each_row_length():
-    stack = make_stack(CONFIGS["llama"])
+    stack = make_stack(FAMILY_CONFIGS["llama"])
     gen = torch.Generator().manual_seed(3)
     rows = [torch.randn(1, n, 64, generator=gen) for n in LENGTHS]
     hidden, mask = left_padded(rows)
@@ -111,7 +99,7 @@ def test_rollback_of_a_padded_session_recomputes_each_row_length():
 
 
 def test_reordered_cache_continues_the_chosen_rows():
-    stack = make_stack(CONFIGS["qwen3"])
+    stack = make_stack(FAMILY_CONFIGS["qwen3"])
     gen = torch.Generator().manual_seed(4)
     prompt, step = torch.randn(3, 4, 64, generator=gen), torch.randn(3, 1, 64, generator=gen)
     cache = stack.allocate_cache(3, 16, 0, 2)

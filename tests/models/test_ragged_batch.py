@@ -4,31 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import load_blocks, make_caches, run_blocks
+from reference import FAMILY_CONFIGS, load_blocks, make_caches, run_blocks
 from transformers import (
     AutoModelForCausalLM,
-    BloomConfig,
-    FalconConfig,
-    LlamaConfig,
-    MistralConfig,
-    MixtralConfig,
-    Qwen3Config,
 )
 
 from corolla.models import get_family
 from corolla.models.ragged import RaggedKV
 
-BASE = dict(vocab_size=64, hidden_size=64, num_attention_heads=4, initializer_range=0.1)
-LLAMA = dict(BASE, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2)
-CONFIGS = {
-    "llama": LlamaConfig(**LLAMA),
-    "mistral-window3": MistralConfig(**LLAMA, sliding_window=3),
-    "qwen3": Qwen3Config(**LLAMA, head_dim=16),
-    "mixtral": MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2),
-    "bloom": BloomConfig(**BASE, n_layer=2),
-    "falcon-7b-style": FalconConfig(**BASE, num_hidden_layers=2, multi_query=True, new_decoder_architecture=False),
-    "falcon-40b-style": FalconConfig(**BASE, num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=2),
-}
 PROMPT_LENGTHS = (5, 1, 9)  # three sessions at different positions
 
 
@@ -38,10 +21,10 @@ def blocks_of(config) -> list[torch.nn.Module]:
     return load_blocks(config, AutoModelForCausalLM.from_config(config).eval().state_dict())
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
 @torch.no_grad()
 def test_ragged_step_equals_each_session_alone(name):
-    config = CONFIGS[name]
+    config = FAMILY_CONFIGS[name]
     blocks = blocks_of(config)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randn(1, n, 64, generator=gen) for n in PROMPT_LENGTHS]
@@ -67,7 +50,7 @@ def test_ragged_step_equals_each_session_alone(name):
 
 
 def test_ragged_rows_of_one_session_with_batch_two_write_their_own_rows():
-    config = CONFIGS["llama"]
+    config = FAMILY_CONFIGS["llama"]
     blocks = blocks_of(config)
     gen = torch.Generator().manual_seed(2)
     prompt, token = torch.randn(2, 4, 64, generator=gen), torch.randn(2, 1, 64, generator=gen)
@@ -93,7 +76,7 @@ def test_ragged_rejects_positions_outside_the_cache():
 def test_server_decode_batch_equals_each_step_alone():
     from corolla.server.backend import BlockStack, KVLayout
 
-    config = CONFIGS["qwen3"]
+    config = FAMILY_CONFIGS["qwen3"]
     stack = BlockStack(blocks_of(config), 0, 64, KVLayout(*get_family(config).kv_layout(config)), torch.float32,
                        torch.device("cpu"))
     gen = torch.Generator().manual_seed(3)

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import uuid
 from contextlib import closing
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, TypeVar
 
 import torch
 
@@ -46,6 +46,7 @@ from corolla.server.padding import check_hypo_ids, check_mask, masked_forward, m
 
 logger = logging.getLogger(__name__)
 
+_Stateless = TypeVar("_Stateless", ForwardRequest, BackwardRequest)
 FIRST_MESSAGE_TIMEOUT = 30.0  # seconds a new stream may take to say what it wants
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -108,13 +109,18 @@ class ConnectionHandler:
         await write_frame(writer, ProbeReply(), [torch.zeros(message.reply_bytes // 4, dtype=torch.int32)])
 
     # ------------------------------------------------------------------ rpc_forward
-    async def rpc_forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+    async def _read_stateless_request(self, reader: asyncio.StreamReader, kind: type[_Stateless]) -> tuple[_Stateless, list[torch.Tensor]]:
+        """The one request of a forward/backward stream, checked: its kind, protocol version, blocks and adapter."""
         message, tensors = await asyncio.wait_for(read_frame(reader), FIRST_MESSAGE_TIMEOUT)
-        if not isinstance(message, ForwardRequest):
-            raise RequestError(ErrorCode.BAD_REQUEST, f"rpc_forward expects a forward request, got {message.kind}")
+        if not isinstance(message, kind):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"expected a {kind.model_fields['kind'].default} request, got {message.kind}")
         self._check_version(message.protocol_version)
         self._check_blocks(message.blocks)
         self._check_adapter(message.active_adapter)
+        return message, tensors
+
+    async def rpc_forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+        message, tensors = await self._read_stateless_request(reader, ForwardRequest)
         hidden = self._check_hidden(tensors[:1], batch_size=None)
         mask, prompts = self._forward_extras(tensors[1:], hidden, message.blocks)
         if mask is None:
@@ -130,12 +136,7 @@ class ConnectionHandler:
     # ------------------------------------------------------------------ rpc_backward
     async def rpc_backward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         """Tensors [hidden, grad_output] or [hidden, grad_output, prompts] -> [grad_hidden] (+ [grad_prompts])."""
-        message, tensors = await asyncio.wait_for(read_frame(reader), FIRST_MESSAGE_TIMEOUT)
-        if not isinstance(message, BackwardRequest):
-            raise RequestError(ErrorCode.BAD_REQUEST, f"rpc_backward expects a backward request, got {message.kind}")
-        self._check_version(message.protocol_version)
-        self._check_blocks(message.blocks)
-        self._check_adapter(message.active_adapter)
+        message, tensors = await self._read_stateless_request(reader, BackwardRequest)
         if len(tensors) not in (2, 3):
             raise RequestError(
                 ErrorCode.BAD_REQUEST, f"rpc_backward expects tensors [hidden, grad_output(, prompts)], got {len(tensors)}"
