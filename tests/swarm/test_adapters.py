@@ -167,3 +167,19 @@ def test_concurrent_sessions_with_and_without_the_adapter_both_stay_exact(client
         t.join(timeout=120)
     assert all(isinstance(r, torch.Tensor) for r in results), results
     assert torch.equal(results[0], expected[0]) and torch.equal(results[1], expected[1])
+
+
+def test_a_session_selects_its_own_adapter_on_a_base_client(clients, peft_model, lora_swarm):
+    """`inference_session(..., active_adapter=...)` picks the adapter per session; the client's other sessions
+    stay on the base model."""
+    _, base = clients
+    _, adapter = lora_swarm
+    prompt = torch.tensor([[1, 23, 9, 77, 4, 61]])
+    expected = peft_model.generate(input_ids=prompt, max_new_tokens=10, do_sample=False)
+    with peft_model.disable_adapter():
+        expected_base = peft_model.generate(input_ids=prompt, max_new_tokens=10, do_sample=False)
+    assert not torch.equal(expected, expected_base), "the adapter should change the greedy tokens"
+    with base.inference_session(max_length=32, active_adapter=adapter) as session:
+        assert torch.equal(base.generate(prompt, max_new_tokens=10, session=session), expected)
+        assert all(span.span.peer_id != lora_swarm[0].peer_ids["c"] for span in session._spans)
+    assert torch.equal(base.generate(prompt, max_new_tokens=10), expected_base)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -101,11 +102,13 @@ class InferenceSession:
     `reorder(hypo_ids)` makes rows follow other rows (beam search); padded rows are stepped with an attention mask.
     """
 
-    def __init__(self, manager: SequenceManager, max_length: int, batch_size: int = 1, *, start: int = 0, end: int | None = None):
+    def __init__(self, manager: SequenceManager, max_length: int, batch_size: int = 1, *, start: int = 0, end: int | None = None,
+                 active_adapter: str | None = None):
         if max_length <= 0:
             raise ValueError("max_length must be positive")
         self.manager = manager
-        self.config = manager.config
+        # this session's LoRA adapter: the given one, else the client's (ClientConfig.active_adapter)
+        self.config = manager.config if active_adapter is None else replace(manager.config, active_adapter=active_adapter)
         self.max_length = max_length
         self.batch_size = batch_size
         self.start = start
@@ -248,7 +251,8 @@ class InferenceSession:
         """
         failures = 0
         while True:
-            route = await self.manager.make_route(start, end, cache_tokens_needed=self.batch_size * self.max_length)
+            route = await self.manager.make_route(
+                start, end, cache_tokens_needed=self.batch_size * self.max_length, adapter=self.config.active_adapter)
             opened: list[_SpanSession] = []
             span = route[0]
             try:

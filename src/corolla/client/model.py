@@ -80,13 +80,14 @@ class DistributedModelForCausalLM(nn.Module):
         return self.transformer(hidden, attention_mask if padded else None).to(hidden.dtype)
 
     @contextmanager
-    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
+    def inference_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None) -> Iterator[InferenceSession]:
         """Open a KV-cached session on the servers; `generate` inside the block uses it unless given another.
 
+        `active_adapter` runs this session with that LoRA adapter (default: the model's, see from_pretrained).
         With tuning_mode="ptune" the servers reserve pre_seq_len positions more, for the prompts."""
         if self.ptune is not None and self.ptune.deep_prompts is not None:
             raise NotImplementedError("inference sessions and generate are not supported with tuning_mode='deep_ptune' yet")
-        session = self.transformer.inference_session(max_length + self.prompt_length, batch_size)
+        session = self.transformer.inference_session(max_length + self.prompt_length, batch_size, active_adapter)
         previous = getattr(self._active, "session", None)
         self._active.session = session
         try:

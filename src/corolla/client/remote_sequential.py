@@ -72,8 +72,8 @@ class RemoteSequential(nn.Module):
         """Chunked forward/backward passes over this module's blocks (what autograd uses)."""
         return RemoteBlocks(self.manager, self.start, self.end)
 
-    def inference_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
-        return InferenceSession(self.manager, max_length, batch_size, start=self.start, end=self.end)
+    def inference_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None) -> InferenceSession:
+        return InferenceSession(self.manager, max_length, batch_size, start=self.start, end=self.end, active_adapter=active_adapter)
 
     async def _forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         block, x, failures = self.start, hidden, 0

@@ -174,25 +174,27 @@ class SequenceManager:
         self._bans.pop(peer_id, None)
 
     # ------------------------------------------------------------------ routes
-    async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0) -> list[Span]:
-        """The fastest chain of spans covering [start, end) for an inference session (see routing.find_route)."""
+    async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0, adapter: str | None = None) -> list[Span]:
+        """The fastest chain of spans covering [start, end) for an inference session (see routing.find_route),
+        through servers holding LoRA `adapter` (default: the client's `active_adapter`)."""
+        adapter = adapter if adapter is not None else self.config.active_adapter
 
         def plan(banned: set[str]) -> list[Span] | None:
             return find_route(
                 self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
                 hop_cost=self.config.hop_cost, rtts=self.rtts, default_rtt=self.config.default_rtt,
-                adapter=self.config.active_adapter, allowed_quant=self.config.allowed_quant,
+                adapter=adapter, allowed_quant=self.config.allowed_quant,
             )
 
-        return await self._route(start, end, plan)
+        return await self._route(start, end, plan, adapter)
 
     async def make_forward_route(self, start: int, end: int) -> list[Span]:
         """A chain for a stateless forward/backward pass, drawn in proportion to server throughput."""
         return await self._route(start, end, lambda banned: sample_route(
             self.block_servers, start, end, self._rng, banned=banned, adapter=self.config.active_adapter,
-            allowed_quant=self.config.allowed_quant))
+            allowed_quant=self.config.allowed_quant), self.config.active_adapter)
 
-    async def _route(self, start: int, end: int, plan) -> list[Span]:
+    async def _route(self, start: int, end: int, plan, adapter: str | None) -> list[Span]:
         """plan(banned) with every ban, else with only unreachable peers excluded; waits up to missing_blocks_wait
         for servers (re-reading the DHT), then raises MissingBlocks naming the blocks nobody reachable holds."""
         await self.update()
@@ -204,14 +206,14 @@ class SequenceManager:
             if route is not None:
                 return route
             if time.monotonic() >= deadline:
-                raise self._missing(start, end)
+                raise self._missing(start, end, adapter)
             await asyncio.sleep(0.25)
             await self.update(force=True)
 
-    def _missing(self, start: int, end: int) -> MissingBlocks:
+    def _missing(self, start: int, end: int, adapter: str | None) -> MissingBlocks:
         """MissingBlocks for [start, end), naming the requested LoRA adapter or the allowed quantizations when
         that is what excludes the servers holding them."""
-        banned, adapter, allowed = self.banned(unreachable_only=True), self.config.active_adapter, self.config.allowed_quant
+        banned, allowed = self.banned(unreachable_only=True), self.config.allowed_quant
         blocks = uncovered_blocks(self.block_servers, start, end, banned, adapter, allowed)
         error = MissingBlocks(blocks)
         if adapter is not None:
