@@ -127,7 +127,7 @@ def assert_blocks_match_hf_layers(model: nn.Module, layers: Sequence[nn.Module],
     outputs = hf_layer_outputs(model, layers, ids)
     inputs = [head.embed(ids), *outputs[:-1]]
     for i, block in enumerate(blocks):
-        torch.testing.assert_close(block(inputs[i]), outputs[i], atol=ATOL, rtol=0, msg=f"layer {i}")
+        torch.testing.assert_close(block(inputs[i]), outputs[i], atol=ATOL, rtol=0, msg=lambda m: f"layer {i}: {m}")
 
 
 def assert_decode_steps_match_full_sequence(model: nn.Module, blocks: Sequence[nn.Module], head: nn.Module,
@@ -137,7 +137,8 @@ def assert_decode_steps_match_full_sequence(model: nn.Module, blocks: Sequence[n
     expected = model(ids).logits  # (B, 15, V)
     for start, end in DECODE_CHUNKS:
         got = run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
-        torch.testing.assert_close(got, expected[:, start:end], atol=ATOL, rtol=0, msg=f"tokens [{start}, {end})")
+        torch.testing.assert_close(got, expected[:, start:end], atol=ATOL, rtol=0,
+                                   msg=lambda m: f"tokens [{start}, {end}): {m}")
 
 
 def assert_bfloat16_close_to_hf(model_bf16: nn.Module, chunks: Sequence[tuple[int, int]] = ((0, 8), (8, 15))) -> None:

@@ -96,7 +96,7 @@ def test_block_decode_steps_match_hf_incremental_decoding() -> None:
     for start, end in [(0, 5), *[(t, t + 1) for t in range(5, 9)], (9, 12)]:
         expected = model(ids[:, start:end], past_key_values=hf_cache, use_cache=True).logits
         got = run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
-        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=f"tokens [{start}, {end})")
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"tokens [{start}, {end}): {m}")
 
 
 @pytest.mark.parametrize("case_id", ["bloom", "bloom-6-heads"])

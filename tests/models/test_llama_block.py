@@ -126,7 +126,7 @@ def test_dynamic_rope_past_max_positions_matches_hf_full_and_incremental() -> No
     for start, end in [(0, 6), *[(t, t + 1) for t in range(6, 12)], (12, 14)]:  # crosses max_position_embeddings
         expected = model(ids[:, start:end], past_key_values=hf_cache, use_cache=True).logits
         got = run_stack(blocks, head, ids[:, start:end], position=start, caches=caches)
-        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=f"tokens [{start}, {end})")
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"tokens [{start}, {end}): {m}")
 
 
 ROPE_VARIANTS: dict[str, dict] = {

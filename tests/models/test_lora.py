@@ -113,13 +113,13 @@ def test_blocks_with_adapter_equal_peft_layers(case: str, tmp_path: Path):
     assert any(isinstance(m, LoraLinear) for m in blocks[0].modules())
     with torch.no_grad(), using_adapter(str(tmp_path / "adapter")):
         for i, (block, (x, expected)) in enumerate(zip(blocks, ios, strict=True)):
-            torch.testing.assert_close(block(x), expected, atol=ATOL, rtol=0, msg=f"layer {i}")
+            torch.testing.assert_close(block(x), expected, atol=ATOL, rtol=0, msg=lambda m: f"layer {i}: {m}")
     with torch.no_grad(), peft_model.disable_adapter():
         base_ios = layer_io(peft_model, token_ids())
     assert not torch.allclose(base_ios[-1][1], ios[-1][1], atol=1e-3), "the adapter should change the outputs"
     with torch.no_grad():  # no active adapter: the base model's layers
         for i, (block, (x, expected)) in enumerate(zip(blocks, base_ios, strict=True)):
-            torch.testing.assert_close(block(x), expected, atol=ATOL, rtol=0, msg=f"base layer {i}")
+            torch.testing.assert_close(block(x), expected, atol=ATOL, rtol=0, msg=lambda m: f"base layer {i}: {m}")
 
 
 @pytest.mark.parametrize(
