@@ -1,5 +1,6 @@
-"""Padded batches and beam reordering on a server, for every family: each row of a left-padded batch gives
-exactly what that row gives alone (forward, prefill, ragged decode steps, multi-token steps, reordering)."""
+"""Padded batches, deep prompts and beam reordering on a server, for every family: each row of a left-padded batch
+gives exactly what that row gives alone (forward, backward, prefill, ragged decode steps, multi-token steps,
+reordering), and deep prompts give in a cached session what they give in a cache-less forward."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from corolla.server.backend import BlockStack, KVLayout
 from corolla.server.padding import (
     check_hypo_ids,
     check_mask,
-    masked_forward,
+    check_prompt_slots,
     masked_inference_step,
     reorder_cache,
 )
@@ -49,7 +50,7 @@ def test_padded_forward_rows_equal_each_row_alone(name):
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randn(1, n, 64, generator=gen) for n in LENGTHS]
     hidden, mask = left_padded(rows)
-    out = masked_forward(stack, hidden, mask, 0, 2)
+    out = stack.forward(hidden, 0, 2, mask=mask)
     for i, row in enumerate(rows):
         torch.testing.assert_close(out[i, mask[i]], stack.forward(row, 0, 2)[0], atol=ATOL, rtol=0)
     assert torch.equal(out[~mask], hidden[~mask])  # padded slots come back unchanged
@@ -80,6 +81,62 @@ def test_padded_session_steps_equal_each_row_alone(name):
         torch.testing.assert_close(outputs[0][i, -row.shape[1]:], expected[0][0], atol=ATOL, rtol=0)
         for got, want in zip(outputs[1:], expected[1:]):
             torch.testing.assert_close(got[i], want[0], atol=ATOL, rtol=0)
+
+
+def test_padded_backward_gives_each_row_its_own_gradients_and_passes_padding_through():
+    stack = make_stack(FAMILY_CONFIGS["llama"])
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randn(1, n, 64, generator=gen) for n in LENGTHS]
+    hidden, mask = left_padded(rows)
+    prompts = 0.1 * torch.randn(2, 2, 64, generator=gen)  # deep prompts on each row's first 2 real slots
+    grad_out = torch.randn(hidden.shape, generator=gen)
+    grad_hidden, grad_prompts = stack.backward(hidden, grad_out, 0, 2, prompts, mask)
+    expected_prompts = torch.zeros_like(prompts)
+    for i, row in enumerate(rows):
+        g_row, g_prompts = stack.backward(row, grad_out[i : i + 1, mask[i]], 0, 2, prompts)
+        torch.testing.assert_close(grad_hidden[i, mask[i]], g_row[0], atol=ATOL, rtol=0)
+        expected_prompts += g_prompts
+    torch.testing.assert_close(grad_prompts, expected_prompts, atol=ATOL, rtol=0)
+    assert torch.equal(grad_hidden[~mask], grad_out[~mask])  # a padded slot's output is its input
+
+
+@pytest.mark.parametrize("name", ["llama", "bloom", "falcon-40b-style"])
+def test_deep_prompts_in_cached_steps_equal_the_cacheless_forward(name):
+    """P = 3 deep prompts; the session's steps hold positions [0, 2), [2, 6), [6, 7), [7, 8): the first two
+    straddle the prompt positions, the last two are past them."""
+    stack = make_stack(FAMILY_CONFIGS[name])
+    gen = torch.Generator().manual_seed(6)
+    hidden, prompts = torch.randn(2, 8, 64, generator=gen), torch.randn(2, 3, 64, generator=gen)
+    expected = stack.forward(hidden, 0, 2, prompts)
+    cache = stack.allocate_cache(2, 8, 0, 2)
+    got = torch.cat([stack.inference_step(hidden[:, a:b], cache, a, 0, 2, prompts)
+                     for a, b in ((0, 2), (2, 6), (6, 7), (7, 8))], dim=1)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert (got - stack.forward(hidden, 0, 2)).abs().max() > 1e-2  # the prompts matter
+
+
+def test_deep_prompts_with_a_padded_session_land_on_each_rows_first_real_slots():
+    """Each row: 2 prompt slots, then its left-padded tokens; the padded session equals each row alone."""
+    stack = make_stack(FAMILY_CONFIGS["qwen2"])
+    gen = torch.Generator().manual_seed(7)
+    prompts = torch.randn(2, 2, 64, generator=gen)
+    prompt_slots = torch.randn(1, 2, 64, generator=gen)
+    rows = [torch.cat([prompt_slots, torch.randn(1, n, 64, generator=gen)], dim=1) for n in LENGTHS]
+    tokens, token_mask = left_padded([row[:, 2:] for row in rows])  # (3, 7, H): padding between prompts and tokens
+    hidden = torch.cat([prompt_slots.expand(3, -1, -1), tokens], dim=1)  # (3, 9, H)
+    mask = torch.cat([torch.ones(3, 2, dtype=torch.bool), token_mask], dim=1)
+    step = torch.randn(3, 1, 64, generator=gen)
+    cache = stack.allocate_cache(3, 16, 0, 2)
+    first = masked_inference_step(stack, hidden, mask, cache, 0, 0, 2, prompts)
+    full = torch.cat([mask, torch.ones(3, 1, dtype=torch.bool)], dim=1)
+    second = masked_inference_step(stack, step, full, cache, hidden.shape[1], 0, 2)
+    for i, row in enumerate(rows):
+        alone = stack.allocate_cache(1, 16, 0, 2)
+        torch.testing.assert_close(first[i, mask[i]], stack.inference_step(row, alone, 0, 0, 2, prompts)[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(second[i], stack.inference_step(step[i : i + 1], alone, row.shape[1], 0, 2)[0],
+                                   atol=ATOL, rtol=0)
+    assert check_prompt_slots(mask, 2) is None
+    assert "first 3 slots" in check_prompt_slots(mask, 3)
 
 
 def test_rollback_of_a_padded_session_recomputes_each_row_length():

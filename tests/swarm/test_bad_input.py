@@ -179,3 +179,19 @@ def test_step_from_a_future_position_is_refused(clients, llama_swarm):
             send_step(connection, torch.zeros(1, 1, 64), position=5)
     finally:
         connection.close()
+
+
+@pytest.mark.parametrize("extras, error", [
+    ([torch.zeros(3, 2, 64)], r"prompts must have shape \(2, P, 64\)"),  # one prompt per block of the span: 2
+    ([torch.zeros(2, 9, 64)], "between 1 and the session's max_length 8"),
+    ([torch.full((2, 2, 64), float("nan"))], "NaN"),
+    ([torch.zeros(2, 2, 64), torch.zeros(2, 2, 64)], "at most one attention mask and one prompts tensor"),
+    ([torch.tensor([[False, True, True]]), torch.zeros(2, 2, 64)], "first 2 slots of every row must be real"),
+])
+def test_bad_deep_prompts_on_an_inference_step_are_named(clients, llama_swarm, extras, error):
+    connection = open_session(clients[0], llama_swarm.server_peer_ids[0])
+    try:
+        with pytest.raises(RemoteError, match=f"bad_request.*{error}"):
+            exchange(connection, InferenceStep(step_id=1, position=0), [torch.zeros(1, 3, 64), *extras])
+    finally:
+        connection.close()

@@ -70,9 +70,9 @@ def test_chunked_backward_is_exact_and_sends_one_row_per_message(model, referenc
     rows = []
     backward_span = RemoteBlocks.backward_span
 
-    async def counting(self, span, hidden, grad, prompts):
+    async def counting(self, span, hidden, grad, prompts, mask=None):
         rows.append(hidden.shape[0])
-        return await backward_span(self, span, hidden, grad, prompts)
+        return await backward_span(self, span, hidden, grad, prompts, mask)
 
     monkeypatch.setattr(RemoteBlocks, "backward_span", counting)
     torch.manual_seed(1)
@@ -141,9 +141,89 @@ def test_deep_prompt_grads_match_hf_with_prompt_hooks(deep_model, reference):
     assert torch.allclose(tuning.deep_prompts.grad, deep_ref.grad, atol=ATOL, rtol=0)
 
 
-def test_deep_ptune_generation_is_refused_clearly(deep_model):
-    with pytest.raises(NotImplementedError, match="deep_ptune"):
-        deep_model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+def hf_greedy_with_prompts(reference, ids: torch.Tensor, prompts, deep, steps: int) -> torch.Tensor:
+    """Greedy continuation of HF's model with the prompts (see hf_with_prompts): one full forward per token."""
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, hf_with_prompts(reference, ids, prompts, deep)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def deep_prompts_set(model, seed: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Give the model non-zero deep prompts (so a mistake in where they are added shows); returns (prompts, deep)."""
+    with torch.no_grad():
+        model.ptune.deep_prompts.copy_(0.5 * torch.randn(model.ptune.deep_prompts.shape, generator=torch.Generator().manual_seed(seed)))
+    return model.ptune.prompts.detach().clone(), model.ptune.deep_prompts.detach().clone()
+
+
+def test_deep_ptune_generation_equals_hf_with_prompt_hooks(deep_model, reference):
+    prompts, deep = deep_prompts_set(deep_model)
+    ids = torch.tensor([[1, 17, 42, 99]])
+    expected = hf_greedy_with_prompts(reference, ids, prompts, deep, 6)
+    assert not torch.equal(expected, reference.generate(ids, max_new_tokens=6, do_sample=False))  # the prompts matter
+    assert torch.equal(deep_model.generate(ids, max_new_tokens=6), expected)
+    with deep_model.inference_session(max_length=16) as session:  # two turns, then a rollback, in one session
+        first = deep_model.generate(ids[:, :2], max_new_tokens=1, session=session)  # (1, 3)
+        assert session.position == P + 2  # the prompts, then two tokens (the generated one is not fed yet)
+        second = deep_model.generate(ids[:, 2:], max_new_tokens=4, session=session)
+        assert torch.equal(second, hf_greedy_with_prompts(reference, torch.cat([first, ids[:, 2:]], dim=1), prompts, deep, 4))
+        session.rollback(P + 4)  # keep the first four tokens
+        assert torch.equal(session.output_ids, second[:, :4])
+        again = deep_model.generate(max_new_tokens=3, session=session)
+        assert torch.equal(again, hf_greedy_with_prompts(reference, second[:, :4], prompts, deep, 3))
+
+
+def test_deep_ptune_session_replays_its_prompts_after_a_broken_stream(deep_model):
+    """The second server's stream breaks after the prefill: its replacement is rebuilt by a replay that must carry
+    the deep prompts again, or the next step's hidden states drift from the cache-less forward's."""
+    deep_prompts_set(deep_model, seed=13)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = deep_model.block_outputs(ids)  # (1, 4, H): cache-less, prompts included and dropped again
+        embeds = deep_model.head.embed(ids)
+        with deep_model.inference_session(max_length=16) as session:
+            first = session.step(deep_model.ptune.prepend(embeds[:, :3]))  # positions [0, P + 3)
+            broken = session._spans[1]
+            broken.connection.close()
+            last = session.step(embeds[:, 3:])  # span 1 fails, is replaced and replayed, then takes the step
+            assert session._spans[1] is not broken, "the broken span was not replaced"
+    torch.testing.assert_close(first[:, P:], expected[:, :3], atol=ATOL, rtol=0)
+    torch.testing.assert_close(last, expected[:, 3:], atol=ATOL, rtol=0)
+
+
+def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> left-padded ids (B, T) with pad 0 and their attention mask (B, T)."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+PADDED = [[9, 8, 7, 6, 5], [40, 41], [77, 3, 12]]
+
+
+def test_deep_ptune_padded_batch_generates_and_trains_as_each_row_alone(deep_model):
+    """Prompts in front of each row's padding: generation, logits and both prompts' gradients of a padded batch
+    equal those of the rows one by one."""
+    deep_prompts_set(deep_model, seed=15)
+    ids, mask = left_pad(PADDED)
+    got = deep_model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=4)
+    for row, tokens in enumerate(PADDED):
+        assert torch.equal(got[row, ids.shape[1] - len(tokens):], deep_model.generate(torch.tensor([tokens]), max_new_tokens=4)[0])
+
+    deep_model.zero_grad()
+    logits = deep_model(ids, attention_mask=mask).logits
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(8))
+    (logits * weights * mask[..., None]).sum().backward()
+    padded_grads = [deep_model.ptune.prompts.grad.clone(), deep_model.ptune.deep_prompts.grad.clone()]
+    deep_model.zero_grad()
+    for row, tokens in enumerate(PADDED):
+        alone = deep_model(torch.tensor([tokens])).logits
+        torch.testing.assert_close(logits[row, mask[row].bool()], alone[0].detach(), atol=ATOL, rtol=0)
+        (alone[0] * weights[row, mask[row].bool()]).sum().backward()  # gradients accumulate over the rows
+    torch.testing.assert_close(padded_grads[0], deep_model.ptune.prompts.grad, atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded_grads[1], deep_model.ptune.deep_prompts.grad, atol=ATOL, rtol=0)
+    assert padded_grads[1].abs().max() > 1e-2
 
 
 # ---------------------------------------------------------------------- ptune: training and generation
@@ -166,6 +246,15 @@ def test_classifier_logits_match_hf_sequence_classification(classifier, llama_sw
         expected = reference(inputs_embeds=embeds).logits  # the last position: the last token
         got = classifier(ids).logits
     assert got.shape == (1, 2) and torch.allclose(got, expected, atol=ATOL, rtol=0)
+
+
+def test_classifier_pools_each_rows_last_real_token_left_or_right_padded(classifier):
+    ids, mask = left_pad(PADDED)
+    right_ids = torch.tensor([r + [0] * (ids.shape[1] - len(r)) for r in PADDED])
+    with torch.no_grad():
+        alone = torch.cat([classifier(torch.tensor([r])).logits for r in PADDED])
+        torch.testing.assert_close(classifier(ids, attention_mask=mask).logits, alone, atol=ATOL, rtol=0)
+        torch.testing.assert_close(classifier(right_ids, attention_mask=mask.flip(1)).logits, alone, atol=ATOL, rtol=0)
 
 
 def test_prompt_tuning_alone_teaches_the_lm_a_fixed_token(classifier):

@@ -100,6 +100,15 @@ def test_add_prompt_touches_only_the_prompt_positions():
     assert out[:, :2].eq(1).all() and out[:, 2:].eq(0).all()
 
 
+def test_add_prompt_at_a_later_position_adds_only_the_prompt_rows_that_chunk_holds():
+    prompt = torch.arange(4.0)[:, None].expand(4, 3)  # (P=4, H=3): row p holds p
+    out = add_prompt(torch.zeros(1, 3, 3), prompt, position=2)  # the chunk holds positions 2, 3, 4
+    assert out[0, :, 0].tolist() == [2.0, 3.0, 0.0]
+    past = torch.zeros(1, 2, 3)
+    assert add_prompt(past, prompt, position=4) is past  # past the prompt: nothing to add
+    assert add_prompt(torch.zeros(1, 2, 3), prompt, position=1)[0, :, 0].tolist() == [1.0, 2.0]
+
+
 def test_bad_backward_tensors_are_refused_with_clear_messages():
     hidden = torch.randn(2, 4, H)
     with pytest.raises(ValueError, match="grad_output has shape"):
@@ -112,6 +121,9 @@ def test_bad_backward_tensors_are_refused_with_clear_messages():
         check_prompts(torch.randn(3, 2, H), hidden, num_blocks=2)
     with pytest.raises(ValueError, match="between 1 and the sequence length 4"):
         check_prompts(torch.randn(2, 5, H), hidden, num_blocks=2)
+    with pytest.raises(ValueError, match="between 1 and the session's max_length 8"):
+        check_prompts(torch.randn(2, 9, H), hidden, num_blocks=2, max_positions=8)
+    assert check_prompts(torch.randn(2, 8, H), hidden, num_blocks=2, max_positions=8).shape == (2, 8, H)
 
 
 # ---------------------------------------------------------------------- client: chunks and re-routing
@@ -147,23 +159,25 @@ class LocalBlocks(RemoteBlocks):
 
     def __init__(self, manager, blocks, broken=()):
         super().__init__(manager, 0, len(blocks))
-        self.blocks, self.broken, self.calls = blocks, set(broken), []
+        self.blocks, self.broken, self.calls, self.masks = blocks, set(broken), [], []
 
-    async def forward_span(self, span, hidden, prompts):
+    async def forward_span(self, span, hidden, prompts, mask=None):
         self.calls.append(("forward", span.peer_id, hidden.shape[0]))
+        self.masks.append(mask)
         with torch.no_grad():
-            return run_blocks(self.blocks[span.start : span.end], hidden, prompts)
+            return run_blocks(self.blocks[span.start : span.end], hidden, prompts, mask)
 
-    async def backward_span(self, span, hidden, grad, prompts):
+    async def backward_span(self, span, hidden, grad, prompts, mask=None):
         self.calls.append(("backward", span.peer_id, hidden.shape[0]))
+        self.masks.append(mask)
         if span.peer_id in self.broken:
             raise PeerUnavailable(f"{span.peer_id} is gone")
-        return make_stack(self.blocks[span.start : span.end]).backward(hidden, grad, 0, span.end - span.start, prompts)
+        return make_stack(self.blocks[span.start : span.end]).backward(hidden, grad, 0, span.end - span.start, prompts, mask)
 
 
-def run_remote(remote: RemoteBlocks, hidden, grad_out, prompts):
+def run_remote(remote: RemoteBlocks, hidden, grad_out, prompts, mask=None):
     async def go():
-        out, chunks = await remote.forward(hidden, prompts)
+        out, chunks = await remote.forward(hidden, prompts, mask)
         return out, await remote.backward(chunks, grad_out, prompts)
 
     return asyncio.run(go())
@@ -199,3 +213,24 @@ def test_backward_reroutes_a_failed_span_through_replacement_servers():
                                              ("backward", "y"), ("backward", "x")]
     assert torch.allclose(grad_hidden, grad_ref, atol=1e-5, rtol=0)
     assert torch.allclose(grad_prompts, prompt_grad_ref, atol=1e-5, rtol=0)
+
+
+def test_a_padded_batch_sends_each_chunk_its_rows_of_the_mask_also_after_rerouting():
+    blocks = make_blocks(4)
+    torch.manual_seed(5)
+    hidden, grad_out, prompts = torch.randn(3, 5, H), torch.randn(3, 5, H), torch.randn(4, 1, H)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 1, 1], [1, 1, 0, 0, 1]], dtype=torch.bool)  # prompt slot 0 real
+    manager = FakeManager({"big": (0, 4), "x": (0, 3), "y": (3, 4)}, max_chunk_bytes=2 * 5 * H * 4)  # chunks 2, 1
+    remote = LocalBlocks(manager, blocks, broken={"big"})
+    out, (grad_hidden, grad_prompts) = run_remote(remote, hidden, grad_out, prompts, mask)
+    assert all(m is not None and m.shape[0] == n for m, (_, _, n) in zip(remote.masks, remote.calls))  # rows of the mask
+    prompt_grad_ref = torch.zeros_like(prompts)
+    for row in range(3):  # each row as if alone, on its real slots
+        real = mask[row]
+        out_ref, grad_ref, row_prompt_grad = reference_grads(blocks, hidden[row : row + 1, real], grad_out[row : row + 1, real], prompts)
+        assert torch.allclose(out[row, real], out_ref[0], atol=1e-5, rtol=0)
+        assert torch.allclose(grad_hidden[row, real], grad_ref[0], atol=1e-5, rtol=0)
+        prompt_grad_ref += row_prompt_grad
+    assert torch.equal(out[~mask], hidden[~mask]) and torch.equal(grad_hidden[~mask], grad_out[~mask])
+    assert torch.allclose(grad_prompts, prompt_grad_ref, atol=1e-5, rtol=0)
+    assert manager.banned == ["big", "big"]  # each chunk found it gone

@@ -54,9 +54,9 @@ def test_decode_steps_queued_during_a_long_prefill_run_before_its_remaining_bloc
     stack, order = handler.stack, []
     block_step = stack.block_step
 
-    def recorded_block_step(part, cache, position, index, start):
+    def recorded_block_step(part, cache, position, index, start, prompts=None):
         order.append(f"prefill block {index}")
-        return block_step(part, cache, position, index, start)
+        return block_step(part, cache, position, index, start, prompts)
 
     stack.block_step = recorded_block_step
     release = threading.Event()

@@ -45,10 +45,11 @@ class DistributedModelForSequenceClassification(nn.Module):
         """Logits (B, num_labels) from input_ids (B, T) or inputs_embeds (B, T, H); with `labels` also the loss
         (num_labels == 1: MSE; integer labels (B,): cross-entropy; float labels (B, num_labels): BCE with logits).
 
-        Pooled position: with an attention_mask (ones then zeros per row), each row's last 1; else, with
-        config.pad_token_id and input_ids, the rightmost non-pad token (as HF); else the last position.
+        Pooled position: with an attention_mask, each row's last real token; else, with config.pad_token_id and
+        input_ids, the rightmost non-pad token (as HF); else the last position. With an attention_mask, each row
+        sees only its real tokens, numbered from 0, whether it is padded on the left or the right.
         """
-        hidden = self.base.block_outputs(input_ids, inputs_embeds)  # (B, T, H)
+        hidden = self.base.block_outputs(input_ids, inputs_embeds, attention_mask)  # (B, T, H)
         head = self.base.head
         norm = getattr(head, "norm", None) or head.ln_f  # Llama-family: norm; BLOOM, Falcon: ln_f
         hidden = norm(hidden.to(self.score.weight.dtype))  # (B, T, H)
@@ -60,11 +61,9 @@ class DistributedModelForSequenceClassification(nn.Module):
         """Index (B,) of the token whose hidden state is classified in each row."""
         if attention_mask is not None:
             mask = attention_mask.to(torch.long)  # (B, T)
-            lengths = mask.sum(-1)
-            right_padded = torch.arange(length, device=mask.device)[None, :] < lengths[:, None]
-            if not torch.equal(mask.bool(), right_padded) or bool((lengths == 0).any()):
-                raise NotImplementedError("only right-padded batches are supported (attention_mask: ones, then zeros)")
-            return lengths - 1
+            if bool((mask.sum(-1) == 0).any()):
+                raise ValueError("every row of attention_mask needs at least one real token")
+            return (torch.arange(length, device=mask.device)[None, :] * mask).argmax(-1)  # each row's last 1
         pad = getattr(self.config, "pad_token_id", None)
         if pad is not None and input_ids is not None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)

@@ -103,6 +103,7 @@ def generate(
     if prefix is not None:
         assert session is not None
         held = session.mask_so_far()
+        held = None if held is None else held[:, session.prefix_length :]  # the tokens' columns
         if mask is not None or held is not None:
             ones = lambda n: torch.ones(prefix.shape[0], n, dtype=torch.bool)  # noqa: E731
             held = ones(0) if held is None else held
@@ -119,8 +120,7 @@ def generate(
 
     own_session = session is None
     if own_session:
-        session = model.transformer.inference_session(
-            max_length=max(max_length, prompt_len) + model.prompt_length, batch_size=rows)
+        session = model.open_session(max(max_length, prompt_len), rows)
     assert session is not None
     if session.batch_size != rows:
         raise ValueError(f"the session was opened for batch_size={session.batch_size}, got {rows} sequences")
@@ -181,8 +181,6 @@ def _session_logits(model: DistributedModelForCausalLM, session: InferenceSessio
     has not seen (after reordering its rows by hypo_ids), with their slice of the attention mask."""
 
     offset = model.prompt_length  # with ptune, the servers hold P prompt positions before the first token
-    if offset and mask is not None:
-        raise NotImplementedError("padded batches (attention_mask with zeros) are not supported with prompt tuning yet")
 
     def logits_fn(sequence: torch.Tensor, hypo_ids: list[int] | None) -> torch.Tensor:
         if hypo_ids is not None:
@@ -195,6 +193,8 @@ def _session_logits(model: DistributedModelForCausalLM, session: InferenceSessio
         if mask is not None and start < mask.shape[1]:
             new = mask[:, start : sequence.shape[1]]
             step_mask = torch.cat([new, torch.ones(new.shape[0], pending.shape[1] - new.shape[1], dtype=new.dtype)], dim=1)
+            if offset and session.position == 0:  # the prompts go first, real in every row
+                step_mask = torch.cat([torch.ones(new.shape[0], offset, dtype=new.dtype), step_mask], dim=1)
         hidden = embed_pending(model, session, sequence)  # (rows, t, H), with the prompts first in a fresh ptune session
         hidden = session.step(hidden, attention_mask=step_mask).to(hidden.dtype)
         return model.head.logits(hidden[:, -1:])[:, -1].float()  # (rows, vocab)

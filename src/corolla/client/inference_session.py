@@ -38,14 +38,16 @@ logger = logging.getLogger(__name__)
 class _SpanSession:
     """The stream to one server for blocks [span.start, span.end), with the inputs it has been sent."""
 
-    def __init__(self, span: Span, connection: Connection):
+    def __init__(self, span: Span, connection: Connection, prompts: torch.Tensor | None = None):
         self.span = span
         self.connection = connection
+        self.prompts = prompts  # deep prompts of this span's blocks (end - start, P, H), or None
         self.history: torch.Tensor | None = None  # (B, tokens, H): inputs at positions [0, tokens)
         self.step_id = 0
 
     @classmethod
-    async def open(cls, manager: SequenceManager, span: Span, max_length: int, batch_size: int, config: ClientConfig) -> _SpanSession:
+    async def open(cls, manager: SequenceManager, span: Span, max_length: int, batch_size: int, config: ClientConfig,
+                   prompts: torch.Tensor | None = None) -> _SpanSession:
         connection = await Connection.open(manager.node.p2p, span.peer_id, "inference", config.connect_timeout)
         try:
             await connection.send(
@@ -61,7 +63,7 @@ class _SpanSession:
         except BaseException:
             connection.close()
             raise
-        return cls(span, connection)
+        return cls(span, connection, prompts)
 
     async def step(self, hidden: torch.Tensor, position: int, timeout: float, mask: torch.Tensor | None = None,
                    hypo_ids: list[int] | None = None) -> torch.Tensor:
@@ -69,10 +71,12 @@ class _SpanSession:
 
         `mask` (B, position + T) is the attention mask of the whole session, sent only for padded batches;
         `hypo_ids` reorders the cached rows first (beam search), and the recorded history with them, so that a
-        replay rebuilds the reordered caches.
+        replay rebuilds the reordered caches. The span's deep prompts go with every step that holds a position below P.
         """
         self.step_id += 1
         tensors = [hidden] if mask is None else [hidden, mask]
+        if self.prompts is not None and position < self.prompts.shape[1]:
+            tensors.append(self.prompts)
         await self.connection.send(InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids), tensors)
         reply, tensors = await self.connection.receive(timeout)
         if not isinstance(reply, StepResult) or reply.step_id != self.step_id or len(tensors) != 1:
@@ -100,10 +104,12 @@ class InferenceSession:
     Use as a context manager; closing frees every server's cache. `position` is the number of tokens the servers
     hold; `rollback(p)` (or assigning a smaller value) rolls the session back (the next step overwrites from there).
     `reorder(hypo_ids)` makes rows follow other rows (beam search); padded rows are stepped with an attention mask.
+    `prompts` (end - start, P, H) are deep prompts (deep prompt tuning): before each block the servers add that block's
+    prompt to positions [0, P), which the session's first steps must fill (see client.ptune).
     """
 
     def __init__(self, manager: SequenceManager, max_length: int, batch_size: int = 1, *, start: int = 0, end: int | None = None,
-                 active_adapter: str | None = None):
+                 active_adapter: str | None = None, prompts: torch.Tensor | None = None, prefix_length: int = 0):
         if max_length <= 0:
             raise ValueError("max_length must be positive")
         self.manager = manager
@@ -113,6 +119,12 @@ class InferenceSession:
         self.batch_size = batch_size
         self.start = start
         self.end = manager.num_blocks if end is None else end
+        if prompts is not None and (prompts.ndim != 3 or prompts.shape[0] != self.end - self.start
+                                    or not 1 <= prompts.shape[1] <= max_length):
+            raise ValueError(f"deep prompts must have shape ({self.end - self.start}, P, hidden) with 1 <= P <= "
+                             f"max_length={max_length}, got {tuple(prompts.shape)}")
+        self.prompts = None if prompts is None else prompts.detach()
+        self.prefix_length = prefix_length  # positions before the first token (prompt tuning's P); not in output_ids
         self._spans: list[_SpanSession] | None = None
         self._position = 0
         self.closed = False
@@ -133,14 +145,15 @@ class InferenceSession:
         """Forget every token from `position` on: the next step (or `generate`) continues from there.
 
         Nothing is sent now; the servers overwrite their caches from `position` with the next step.
-        `output_ids` and the attention mask are cut to `position` tokens. Raises ValueError unless
+        The attention mask is cut to `position` positions, `output_ids` to the tokens among them (positions past
+        `prefix_length`). Raises ValueError unless
         0 <= position <= self.position.
         """
         if not 0 <= position <= self._position:
             raise ValueError(f"can only roll a session back: position {position} is not within [0, {self._position}]")
         self._position = position
         if self.output_ids is not None:
-            self.output_ids = self.output_ids[:, :position]
+            self.output_ids = self.output_ids[:, : max(position - self.prefix_length, 0)]
         if self.attention_mask is not None:
             self.attention_mask = self.attention_mask[:, :position]
 
@@ -258,7 +271,8 @@ class InferenceSession:
             try:
                 x = history
                 for span in route:
-                    session = await _SpanSession.open(self.manager, span, self.max_length, self.batch_size, self.config)
+                    session = await _SpanSession.open(self.manager, span, self.max_length, self.batch_size, self.config,
+                                                      self._span_prompts(span))
                     opened.append(session)
                     if x is not None and x.shape[1] > 0:
                         x = await session.step(x, 0, self.config.request_timeout, self._replay_mask(x.shape[1]))
@@ -272,6 +286,12 @@ class InferenceSession:
                 raise
             logger.debug("session route %d:%d -> %s", start, end, [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened])
             return opened
+
+    def _span_prompts(self, span: Span) -> torch.Tensor | None:
+        """The deep prompts of blocks [span.start, span.end), or None."""
+        if self.prompts is None:
+            return None
+        return self.prompts[span.start - self.start : span.end - self.start]
 
     def _replay_mask(self, length: int) -> torch.Tensor | None:
         """The mask of the first `length` positions held before the current step (not reordered yet, like the

@@ -72,22 +72,18 @@ class DistributedModelForCausalLM(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden = self.head.embed(input_ids.to(self.device)) if input_ids is not None else inputs_embeds  # (B, T, H)
-        padded = attention_mask is not None and not bool(attention_mask.all())
+        mask = None if attention_mask is None or _right_padded(attention_mask) else attention_mask
         if self.ptune is not None:
-            if padded:
-                raise NotImplementedError("padded batches (attention_mask with zeros) are not supported with prompt tuning yet")
-            return self.ptune.run(self.transformer, hidden)
-        return self.transformer(hidden, attention_mask if padded else None).to(hidden.dtype)
+            return self.ptune.run(self.transformer, hidden, mask)
+        return self.transformer(hidden, mask).to(hidden.dtype)
 
     @contextmanager
     def inference_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None) -> Iterator[InferenceSession]:
         """Open a KV-cached session on the servers; `generate` inside the block uses it unless given another.
 
         `active_adapter` runs this session with that LoRA adapter (default: the model's, see from_pretrained).
-        With tuning_mode="ptune" the servers reserve pre_seq_len positions more, for the prompts."""
-        if self.ptune is not None and self.ptune.deep_prompts is not None:
-            raise NotImplementedError("inference sessions and generate are not supported with tuning_mode='deep_ptune' yet")
-        session = self.transformer.inference_session(max_length + self.prompt_length, batch_size, active_adapter)
+        With prompt tuning the servers reserve pre_seq_len positions more, for the prompts."""
+        session = self.open_session(max_length, batch_size, active_adapter)
         previous = getattr(self._active, "session", None)
         self._active.session = session
         try:
@@ -96,6 +92,14 @@ class DistributedModelForCausalLM(nn.Module):
             self._active.session = previous
             session.close()
 
+    def open_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None) -> InferenceSession:
+        """A new InferenceSession for `max_length` tokens (the caller closes it). With prompt tuning it holds
+        pre_seq_len positions more, and with deep_ptune it carries the deep prompts as they are now."""
+        deep = None if self.ptune is None else self.ptune.deep_prompts
+        return self.transformer.inference_session(
+            max_length + self.prompt_length, batch_size, active_adapter, None if deep is None else deep.detach().clone(),
+            prefix_length=self.prompt_length)
+
     @property
     def prompt_length(self) -> int:
         """Positions the prompts of prompt tuning take in front of every sequence (0 without tuning)."""
@@ -103,8 +107,6 @@ class DistributedModelForCausalLM(nn.Module):
 
     def generate(self, input_ids: torch.LongTensor | None = None, **kwargs) -> torch.LongTensor:
         """HF-style generation; see corolla.client.generation.generate for the arguments."""
-        if self.ptune is not None and self.ptune.deep_prompts is not None:
-            raise NotImplementedError("inference sessions and generate are not supported with tuning_mode='deep_ptune' yet")
         active = getattr(self._active, "session", None)
         if kwargs.get("session") is None and active is not None:
             kwargs["session"] = active
@@ -223,3 +225,10 @@ def _shutdown_all_nodes() -> None:
             run_sync(node.shutdown(), timeout=5)
         except Exception:  # best effort at interpreter exit
             pass
+
+
+def _right_padded(mask: torch.Tensor) -> bool:
+    """True if every row of mask (B, T) is ones then zeros: causal attention then keeps the padding out by itself."""
+    mask = mask.to(torch.bool)
+    lengths = mask.sum(-1, keepdim=True)  # (B, 1)
+    return bool(torch.equal(mask, torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths))

@@ -2,14 +2,16 @@
 
 - ``"ptune"``: ``pre_seq_len`` trainable embeddings (P, H) are prepended to every sequence's input embeddings; the
   blocks see P + T positions and the P prompt positions are dropped from their output again.
-- ``"deep_ptune"``: the same, plus per-block prompts (num_blocks, P, H) sent with every forward/backward request;
-  right before block i the server adds deep[i] to the hidden states of positions [0, P) (the prompt positions).
-  They start at zero, so an untrained deep_ptune model computes exactly what ptune does.
+- ``"deep_ptune"``: the same, plus per-block prompts (num_blocks, P, H) sent with every forward/backward request
+  and with the inference steps that hold prompt positions; right before block i the server adds deep[i] to the
+  hidden states of positions [0, P) (the prompt positions). They start at zero, so an untrained deep_ptune model
+  computes exactly what ptune does.
 
     tokens ──embed──► (B, T, H) ──cat──► [prompts (B, P, H) | embeddings] ──► blocks (+deep[i] on [0, P)) ──► drop P
 
-In an inference session (ptune only) the prompts are sent with the session's first step, so the servers hold
-P positions more than the tokens the session has seen.
+In an inference session the prompts are sent with the session's first step, so the servers hold P positions more
+than the tokens the session has seen; a session keeps the deep prompts it was opened with. In a padded batch the
+prompt positions are real tokens in front of every row's padding.
 """
 
 from __future__ import annotations
@@ -55,11 +57,19 @@ class PromptTuning(nn.Module):
         prompts = self.prompts.to(embeddings.dtype).expand(embeddings.shape[0], -1, -1)  # (B, P, H)
         return torch.cat([prompts, embeddings], dim=1)
 
-    def run(self, transformer: RemoteSequential, embeddings: Tensor) -> Tensor:
-        """The blocks' output (B, T, H) for input embeddings (B, T, H), with the prompts in place (dropped again)."""
+    def run(self, transformer: RemoteSequential, embeddings: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """The blocks' output (B, T, H) for input embeddings (B, T, H), with the prompts in place (dropped again).
+
+        With an attention mask (B, T), the prompt positions count as real tokens in front of each row's padding."""
         hidden = self.prepend(embeddings)  # (B, P + T, H)
+        mask = None if attention_mask is None else self.extend_mask(attention_mask)  # (B, P + T)
         deep = None if self.deep_prompts is None else self.deep_prompts.to(embeddings.dtype)
-        return transformer(hidden, prompts=deep)[:, self.pre_seq_len :].to(embeddings.dtype)  # (B, T, H)
+        return transformer(hidden, mask, prompts=deep)[:, self.pre_seq_len :].to(embeddings.dtype)  # (B, T, H)
+
+    def extend_mask(self, attention_mask: Tensor) -> Tensor:
+        """(B, T) -> (B, P + T) bool: ones for the prompt positions, then the mask."""
+        ones = torch.ones(attention_mask.shape[0], self.pre_seq_len, dtype=torch.bool, device=attention_mask.device)
+        return torch.cat([ones, attention_mask.to(torch.bool)], dim=1)
 
 
 def make_prompt_tuning(mode: str | None, pre_seq_len: int, head: nn.Module, hidden_size: int, num_blocks: int,
@@ -86,14 +96,11 @@ def embed_pending(model: DistributedModelForCausalLM, session: InferenceSession,
 
     With prompt tuning the servers hold the P prompt positions before the tokens: a fresh session (position 0)
     gets the prompts prepended, and later steps skip P positions when indexing `sequence`.
-    Raises NotImplementedError for deep_ptune (its per-block prompts are not sent with inference steps).
     """
     tuning: PromptTuning | None = getattr(model, "ptune", None)
     with torch.no_grad():
         if tuning is None:
             return model.head.embed(sequence[:, session.position :].to(model.device))
-        if tuning.deep_prompts is not None:
-            raise NotImplementedError("inference sessions and generate are not supported with tuning_mode='deep_ptune' yet")
         if session.position == 0:
             return tuning.prepend(model.head.embed(sequence.to(model.device)))
         if session.position < tuning.pre_seq_len:

@@ -8,6 +8,9 @@ Servers keep nothing between the two passes (they recompute the forward inside r
 fails during backward is banned and its span re-routed like a forward: the replacement route's intermediate inputs
 are recomputed with rpc_forward, then its spans are differentiated in reverse.
 
+A padded batch sends its attention mask (B, T) with every request; each row then sees only its real tokens, and
+the gradient at a padded slot passes straight through.
+
 Messages stay small: a batch is split along its batch dimension into chunks whose (B_i, T, H) hidden states take at
 most ClientConfig.max_chunk_bytes (one row at least), and each chunk runs its own chain of requests. Per-row
 results are independent, so chunking changes no number; deep-prompt gradients are summed over the chunks.
@@ -51,16 +54,19 @@ def chunk_sizes(batch: int, row_bytes: int, max_bytes: int) -> list[int]:
 
 @dataclass
 class SpanRecord:
-    """What one span of a forward was sent: its server's span and its inputs (b, T, H)."""
+    """What one span of a forward was sent: its server's span, its inputs (b, T, H) and the chunk's attention mask
+    (b, T) or None."""
 
     span: Span
     inputs: Tensor
+    mask: Tensor | None = None
 
 
 class RemoteBlocks:
     """Forward and backward passes over blocks [start, end) of the swarm, with the forward's retry policy.
 
-    `prompts` everywhere is None or the deep prompts of all blocks [start, end): (end - start, P, H).
+    `prompts` everywhere is None or the deep prompts of all blocks [start, end): (end - start, P, H); `mask` is
+    None or the attention mask (bool, on the CPU) of the hidden states it comes with.
     """
 
     def __init__(self, manager: SequenceManager, start: int, end: int):
@@ -69,10 +75,14 @@ class RemoteBlocks:
         self.end = end
 
     # ------------------------------------------------------------------ whole batches, chunked
-    async def forward(self, hidden: Tensor, prompts: Tensor | None) -> tuple[Tensor, list[list[SpanRecord]]]:
+    async def forward(self, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None
+                      ) -> tuple[Tensor, list[list[SpanRecord]]]:
         """hidden (B, T, H) -> (output (B, T, H), per chunk the records its backward needs)."""
         sizes = chunk_sizes(hidden.shape[0], hidden[0].numel() * hidden.element_size(), self.manager.config.max_chunk_bytes)
-        results = await asyncio.gather(*(self.forward_chunk(part, prompts) for part in hidden.split(sizes)))
+        masks = [None] * len(sizes) if mask is None else mask.split(sizes)
+        results = await asyncio.gather(*(
+            self.forward_chunk(part, prompts, part_mask) for part, part_mask in zip(hidden.split(sizes), masks)
+        ))
         return torch.cat([out for out, _ in results]), [records for _, records in results]
 
     async def backward(
@@ -88,20 +98,21 @@ class RemoteBlocks:
         return grad_hidden, grad_prompts
 
     # ------------------------------------------------------------------ one chunk
-    async def forward_chunk(self, hidden: Tensor, prompts: Tensor | None) -> tuple[Tensor, list[SpanRecord]]:
+    async def forward_chunk(self, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None
+                            ) -> tuple[Tensor, list[SpanRecord]]:
         """Run hidden (b, T, H) through blocks [start, end), re-routing around failing servers."""
         block, x, failures, records = self.start, hidden, 0, []
         while block < self.end:
             route = await self.manager.make_forward_route(block, self.end)
             for span in route:
                 try:
-                    out = await self.forward_span(span, x, self._prompts_of(prompts, span))
+                    out = await self.forward_span(span, x, self._prompts_of(prompts, span), mask)
                 except (PeerUnavailable, RemoteError) as e:
                     failures = self.manager.after_failure(e, failures, span)
                     await self.manager.backoff(failures)
                     break  # re-route from `block`
                 self.manager.forgive(span.peer_id)
-                records.append(SpanRecord(span, x))
+                records.append(SpanRecord(span, x, mask))
                 x, block = out, span.end
         return x, records
 
@@ -111,31 +122,33 @@ class RemoteBlocks:
         for record in reversed(records):
             span = record.span
             try:
-                grad, span_grad = await self.backward_span(span, record.inputs, grad, self._prompts_of(prompts, span))
+                grad, span_grad = await self.backward_span(span, record.inputs, grad, self._prompts_of(prompts, span), record.mask)
                 self.manager.forgive(span.peer_id)
                 self._accumulate(grad_prompts, span, span_grad)
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, 0, span)
                 await self.manager.backoff(failures)
-                grad = await self._backward_rerouted(span.start, span.end, record.inputs, grad, prompts, grad_prompts, failures)
+                grad = await self._backward_rerouted(span.start, span.end, record, grad, prompts, grad_prompts, failures)
         return grad, grad_prompts
 
     async def _backward_rerouted(
-        self, start: int, end: int, hidden: Tensor, grad: Tensor, prompts: Tensor | None,
+        self, start: int, end: int, record: SpanRecord, grad: Tensor, prompts: Tensor | None,
         grad_prompts: Tensor | None, failures: int,
     ) -> Tensor:
-        """Backward over [start, end) on a fresh route: recompute the route's intermediate inputs, then go in reverse.
-        Adds the prompts' gradients into grad_prompts; returns the gradient w.r.t. hidden."""
+        """Backward over [start, end) on a fresh route, from the failed span's record: recompute the route's
+        intermediate inputs, then go in reverse. Adds the prompts' gradients into grad_prompts; returns the gradient
+        w.r.t. the record's inputs."""
+        mask = record.mask
         while True:
             route = await self.manager.make_forward_route(start, end)
             span = route[0]
             try:
-                inputs = [hidden]
+                inputs = [record.inputs]
                 for span in route[:-1]:
-                    inputs.append(await self.forward_span(span, inputs[-1], self._prompts_of(prompts, span)))
+                    inputs.append(await self.forward_span(span, inputs[-1], self._prompts_of(prompts, span), mask))
                 g, pieces = grad, []
                 for span, x in zip(reversed(route), reversed(inputs)):
-                    g, span_grad = await self.backward_span(span, x, g, self._prompts_of(prompts, span))
+                    g, span_grad = await self.backward_span(span, x, g, self._prompts_of(prompts, span), mask)
                     pieces.append((span, span_grad))
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, failures, span)
@@ -147,9 +160,9 @@ class RemoteBlocks:
             return g
 
     # ------------------------------------------------------------------ one request
-    async def forward_span(self, span: Span, hidden: Tensor, prompts: Tensor | None) -> Tensor:
-        """rpc_forward of hidden (b, T, H) over one span; prompts (span blocks, P, H) or None."""
-        tensors = [hidden] if prompts is None else [hidden, prompts]
+    async def forward_span(self, span: Span, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None) -> Tensor:
+        """rpc_forward of hidden (b, T, H) over one span; prompts (span blocks, P, H) or None; mask (b, T) or None."""
+        tensors = [hidden] + ([] if mask is None else [mask]) + ([] if prompts is None else [prompts])
         request = ForwardRequest(
             protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
             active_adapter=self.manager.config.active_adapter,
@@ -160,10 +173,10 @@ class RemoteBlocks:
         return out[0].to(hidden.dtype)
 
     async def backward_span(
-        self, span: Span, hidden: Tensor, grad: Tensor, prompts: Tensor | None
+        self, span: Span, hidden: Tensor, grad: Tensor, prompts: Tensor | None, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
         """rpc_backward over one span: (grad w.r.t. hidden (b, T, H), grad w.r.t. prompts or None)."""
-        tensors = [hidden, grad.to(hidden.dtype)] + ([] if prompts is None else [prompts])
+        tensors = [hidden, grad.to(hidden.dtype)] + ([] if mask is None else [mask]) + ([] if prompts is None else [prompts])
         request = BackwardRequest(
             protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
             active_adapter=self.manager.config.active_adapter,
@@ -194,16 +207,18 @@ class RemoteBlocks:
 
 
 class RemoteBlocksFunction(torch.autograd.Function):
-    """hidden (B, T, H), prompts (n_blocks, P, H) or None -> the blocks' output (B, T, H), differentiable in both."""
+    """hidden (B, T, H), prompts (n_blocks, P, H) or None, mask (B, T) or None -> the blocks' output (B, T, H),
+    differentiable in hidden and prompts."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, prompts: Tensor | None, blocks: RemoteBlocks) -> Tensor:  # type: ignore[override]
+    def forward(ctx, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None,  # type: ignore[override]
+                blocks: RemoteBlocks) -> Tensor:
         prompts = None if prompts is None else prompts.detach()
-        output, chunks = run_sync(blocks.forward(hidden.detach(), prompts))
+        output, chunks = run_sync(blocks.forward(hidden.detach(), prompts, mask))
         ctx.blocks, ctx.chunks, ctx.prompts = blocks, chunks, prompts
         return output
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, Tensor | None, None, None]:  # type: ignore[override]
         grad_hidden, grad_prompts = run_sync(ctx.blocks.backward(ctx.chunks, grad_output.contiguous(), ctx.prompts))
-        return grad_hidden, grad_prompts, None
+        return grad_hidden, grad_prompts, None, None

@@ -93,7 +93,13 @@ class SessionOpened(_Message):
 
 class InferenceStep(_Message):
     """One step: tensor `hidden` (batch_size, T, hidden_size) whose first token sits at `position`, optionally
-    followed by tensor `attention_mask` (batch_size, position + T), bool: 1 = a real token, 0 = padding.
+    followed by one or both of (told apart by dtype):
+
+    - `attention_mask` (batch_size, position + T), bool: 1 = a real token, 0 = padding;
+    - `prompts` (end - start, P, hidden_size), floating point, P <= max_length, for deep prompt tuning: before block
+      i the server adds prompts[i - start] to this step's positions below P. A client sends them with every step
+      that holds such a position (the first one, and a replay after failover); with a mask, the first P slots of
+      every row must be real.
 
     `position` may be smaller than the tokens the server already holds: the cache is then rolled back to it
     (this is how a client rewinds or replays history).
@@ -133,9 +139,8 @@ class ForwardRequest(_Message):
 
     - `attention_mask` (B, T), bool or integer, with the meaning InferenceStep gives it (padded slots are skipped);
     - `prompts` (end - start, P, hidden_size), floating point, P <= T, for deep prompt tuning: before block i the
-      server adds prompts[i - start] to the hidden states of positions [0, P) (every batch row).
-
-    Both together are refused (not supported yet).
+      server adds prompts[i - start] to the hidden states of positions [0, P) (every batch row). With a mask, the
+      first P slots of every row must be real; positions count real slots only.
     """
 
     kind: Literal["forward"] = "forward"
@@ -150,8 +155,9 @@ class ForwardResult(_Message):
 
 class BackwardRequest(_Message):
     """rpc_backward over `blocks`: tensors `hidden` (B, T, hidden_size), the span's inputs as sent to rpc_forward,
-    and `grad_output` (B, T, hidden_size), the loss gradient w.r.t. the span's outputs; optionally a third,
-    `prompts` (end - start, P, hidden_size), the deep prompts that forward added (see ForwardRequest).
+    and `grad_output` (B, T, hidden_size), the loss gradient w.r.t. the span's outputs; then, as the forward had
+    them (see ForwardRequest, told apart by dtype), an `attention_mask` (B, T) and/or `prompts` (end - start, P,
+    hidden_size). The gradient at a padded slot passes through unchanged.
 
     The server recomputes the forward with its weights frozen and differentiates w.r.t. the inputs only.
     """

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from corolla.models.ragged import RaggedKV
-from corolla.server.backward import backward_through, run_blocks
+from corolla.server.backward import add_prompt, backward_through, run_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -72,27 +72,35 @@ class BlockStack:
         return [(offset, min(offset + chunk, length)) for offset in range(0, length, chunk)]
 
     @torch.inference_mode()
-    def inference_step(self, hidden: torch.Tensor, cache: KVCache, position: int, start: int, end: int) -> torch.Tensor:
+    def inference_step(self, hidden: torch.Tensor, cache: KVCache, position: int, start: int, end: int,
+                       prompts: torch.Tensor | None = None) -> torch.Tensor:
         """Run hidden (B, T, H) through blocks [start, end) with the session cache; returns (B, T, H).
 
-        The merged step: every block (and every chunk, see `chunks`) in one call.
+        The merged step: every block (and every chunk, see `chunks`) in one call. Deep prompts (end - start, P, H)
+        are added before each block to the positions below P that this step holds (see `block_step`).
         """
         x = hidden.to(self.device, self.dtype)
         outputs = []
         for offset, stop in self.chunks(x.shape[0], x.shape[1]):
             part = x[:, offset:stop]  # (B, t, H)
             for index in range(start, end):
-                part = self.block_step(part, cache, position + offset, index, start)
+                part = self.block_step(part, cache, position + offset, index, start, prompts)
             outputs.append(part)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     @torch.inference_mode()
-    def block_step(self, part: torch.Tensor, cache: KVCache, position: int, index: int, start: int) -> torch.Tensor:
-        """One chunk (B, t, H) at `position` through block `index` alone; cache[0] belongs to block `start`.
+    def block_step(self, part: torch.Tensor, cache: KVCache, position: int, index: int, start: int,
+                   prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """One chunk (B, t, H) at `position` through block `index` alone; cache[0] belongs to block `start`, and so
+        do prompts[0] (deep prompts, (end - start, P, H)): prompts[index - start] is added to the chunk's positions
+        below P first.
 
         Long prefills are scheduled as one such call per chunk and block, so other sessions' decode steps run
         in between instead of waiting for the whole prefill."""
-        return self.blocks[index - self.start](part.to(self.device, self.dtype), cache[index - start], position)
+        x = part.to(self.device, self.dtype)
+        if prompts is not None:
+            x = add_prompt(x, prompts[index - start].to(self.device), position)
+        return self.blocks[index - self.start](x, cache[index - start], position)
 
     @torch.inference_mode()
     def decode_batch(self, steps: list[DecodeStep]) -> list[torch.Tensor]:
@@ -122,20 +130,20 @@ class BlockStack:
         )
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, start: int, end: int, prompts: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, start: int, end: int, prompts: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """A cache-less causal forward of hidden (B, T, H) through blocks [start, end).
 
         With deep prompts (end - start, P, H), prompts[j] is added to positions [0, P) before block start + j.
+        With an attention mask (B, T), padded slots are skipped (see backward.run_blocks).
         """
-        x = hidden.to(self.device, self.dtype)
-        if prompts is not None:
-            return run_blocks(self.blocks[start - self.start : end - self.start], x, prompts.to(self.device, self.dtype))
-        for index in range(start, end):
-            x = self.blocks[index - self.start](x, None, 0)
-        return x
+        to = dict(device=self.device, dtype=self.dtype)
+        return run_blocks(self.blocks[start - self.start : end - self.start], hidden.to(**to),
+                          None if prompts is None else prompts.to(**to), None if mask is None else mask.to(self.device))
 
     def backward(
-        self, hidden: torch.Tensor, grad_output: torch.Tensor, start: int, end: int, prompts: torch.Tensor | None = None
+        self, hidden: torch.Tensor, grad_output: torch.Tensor, start: int, end: int, prompts: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Gradients w.r.t. the inputs hidden (B, T, H) of blocks [start, end), given grad_output (B, T, H) w.r.t.
         their outputs: recomputes `forward` with autograd on (not in inference mode; weights stay frozen).
@@ -145,5 +153,5 @@ class BlockStack:
         to = dict(device=self.device, dtype=self.dtype)
         return backward_through(
             self.blocks[start - self.start : end - self.start], hidden.to(**to), grad_output.to(**to),
-            None if prompts is None else prompts.to(**to),
+            None if prompts is None else prompts.to(**to), None if mask is None else mask.to(self.device),
         )

@@ -42,7 +42,13 @@ from corolla.server.backward import check_grad_output, check_prompts
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, PRIORITY_LONG_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
-from corolla.server.padding import check_hypo_ids, check_mask, masked_forward, masked_inference_step, reorder_cache
+from corolla.server.padding import (
+    check_hypo_ids,
+    check_mask,
+    check_prompt_slots,
+    masked_inference_step,
+    reorder_cache,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,36 +128,33 @@ class ConnectionHandler:
     async def rpc_forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         message, tensors = await self._read_stateless_request(reader, ForwardRequest)
         hidden = self._check_hidden(tensors[:1], batch_size=None)
-        mask, prompts = self._forward_extras(tensors[1:], hidden, message.blocks)
-        if mask is None:
-            forward = self.adapters.bind(self.stack.forward, message.active_adapter)
-            output = await self.worker.run(PRIORITY_FORWARD, forward, hidden, message.blocks.start, message.blocks.end, prompts)
-        else:
-            output = await self.worker.run(
-                PRIORITY_FORWARD, self.adapters.bind(masked_forward, message.active_adapter), self.stack, hidden, mask,
-                message.blocks.start, message.blocks.end,
-            )
+        mask, prompts = self._extras(tensors[1:], hidden, message.blocks, hidden.shape[1])
+        forward = self.adapters.bind(self.stack.forward, message.active_adapter)
+        output = await self.worker.run(PRIORITY_FORWARD, forward, hidden, message.blocks.start, message.blocks.end, prompts, mask)
         await write_frame(writer, ForwardResult(), [output.to(hidden.dtype)])
 
     # ------------------------------------------------------------------ rpc_backward
     async def rpc_backward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        """Tensors [hidden, grad_output] or [hidden, grad_output, prompts] -> [grad_hidden] (+ [grad_prompts])."""
+        """Tensors [hidden, grad_output] and optionally an attention mask and/or deep prompts, as rpc_forward takes
+        them -> [grad_hidden] (+ [grad_prompts])."""
         message, tensors = await self._read_stateless_request(reader, BackwardRequest)
-        if len(tensors) not in (2, 3):
+        if not 2 <= len(tensors) <= 4:
             raise RequestError(
-                ErrorCode.BAD_REQUEST, f"rpc_backward expects tensors [hidden, grad_output(, prompts)], got {len(tensors)}"
+                ErrorCode.BAD_REQUEST,
+                f"rpc_backward expects tensors [hidden, grad_output(, attention_mask)(, prompts)], got {len(tensors)}",
             )
         hidden = self._check_hidden(tensors[:1], batch_size=None)
         try:
             grad_output = check_grad_output(tensors[1], hidden)
         except ValueError as e:
             raise RequestError(ErrorCode.BAD_REQUEST, str(e)) from None
-        prompts = self._check_prompts(tensors[2], hidden, message.blocks) if len(tensors) == 3 else None
+        mask, prompts = self._extras(tensors[2:], hidden, message.blocks, hidden.shape[1])
         blocks = message.blocks
         grad_hidden, grad_prompts = await self.worker.run(
-            PRIORITY_FORWARD, self.adapters.bind(self.stack.backward, message.active_adapter), hidden, grad_output, blocks.start, blocks.end, prompts
+            PRIORITY_FORWARD, self.adapters.bind(self.stack.backward, message.active_adapter), hidden, grad_output,
+            blocks.start, blocks.end, prompts, mask,
         )
-        grads = [grad_hidden.to(hidden.dtype)] + ([] if grad_prompts is None else [grad_prompts.to(tensors[2].dtype)])
+        grads = [grad_hidden.to(hidden.dtype)] + ([] if grad_prompts is None else [grad_prompts.to(prompts.dtype)])
         await write_frame(writer, BackwardResult(), grads)
 
     # ------------------------------------------------------------------ rpc_inference
@@ -205,7 +208,9 @@ class ConnectionHandler:
                     raise RequestError(
                         ErrorCode.BAD_REQUEST, f"step at position {step.position}, but the session holds only {position} tokens"
                     )
-                mask = self._check_mask(tensors, message.batch_size, step.position + hidden.shape[1])
+                mask, prompts = self._extras(tensors[1:], hidden, blocks, step.position + hidden.shape[1], message.max_length)
+                if prompts is not None and step.position >= prompts.shape[1]:
+                    prompts = None  # the step holds no prompt position: the ordinary (batched) paths apply
                 if step.hypo_ids is not None:
                     problem = check_hypo_ids(step.hypo_ids, message.batch_size)
                     if problem is not None:
@@ -224,8 +229,16 @@ class ConnectionHandler:
                 if mask is not None:  # a padded batch: rows of different lengths, not batched with other sessions
                     work = self.worker.run(
                         PRIORITY_INFERENCE, self.adapters.bind(masked_inference_step, adapter), self.stack, hidden, mask,
-                        cache, step.position, blocks.start, blocks.end,
+                        cache, step.position, blocks.start, blocks.end, prompts,
                     )
+                elif prompts is not None:  # deep prompts on some of this step's positions: never batched
+                    if hidden.shape[0] * hidden.shape[1] <= self._merge_max_tokens():
+                        work = self.worker.run(
+                            PRIORITY_INFERENCE, self.adapters.bind(self.stack.inference_step, adapter),
+                            hidden, cache, step.position, blocks.start, blocks.end, prompts,
+                        )
+                    else:
+                        work = self._long_step(hidden, cache, step.position, blocks, adapter, prompts)
                 elif hidden.shape[1] == 1:  # a decode step: batched with other sessions' steps over the same blocks
                     work = self.worker.run_batched(  # only steps of the same adapter run together
                         PRIORITY_INFERENCE, self.adapters.bind(self.stack.decode_batch, adapter),
@@ -254,7 +267,8 @@ class ConnectionHandler:
         enough per token that only decode steps are merged."""
         return 1 if self.config.quant == "nf4" else self.config.merge_max_tokens
 
-    async def _long_step(self, hidden: torch.Tensor, cache, position: int, blocks: BlockRange, adapter: str | None = None) -> torch.Tensor:
+    async def _long_step(self, hidden: torch.Tensor, cache, position: int, blocks: BlockRange, adapter: str | None = None,
+                         prompts: torch.Tensor | None = None) -> torch.Tensor:
         """A long prefill as one compute task per chunk and block, at a lower priority than short steps: other
         sessions keep decoding while it runs. Same result as the merged `inference_step`."""
         block_step, outputs = self.adapters.bind(self.stack.block_step, adapter), []
@@ -262,7 +276,7 @@ class ConnectionHandler:
             part = hidden[:, offset:stop]
             for index in range(blocks.start, blocks.end):
                 part = await self.worker.run(
-                    PRIORITY_LONG_INFERENCE, block_step, part, cache, position + offset, index, blocks.start
+                    PRIORITY_LONG_INFERENCE, block_step, part, cache, position + offset, index, blocks.start, prompts
                 )
             outputs.append(part)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
@@ -291,36 +305,33 @@ class ConnectionHandler:
         if problem is not None:
             raise RequestError(ErrorCode.BAD_REQUEST, problem)
 
-    def _check_prompts(self, prompts: torch.Tensor, hidden: torch.Tensor, blocks: BlockRange) -> torch.Tensor:
-        try:
-            return check_prompts(prompts, hidden, blocks.end - blocks.start)
-        except ValueError as e:
-            raise RequestError(ErrorCode.BAD_REQUEST, str(e)) from None
-
-    def _check_mask(self, tensors: list[torch.Tensor], batch_size: int, length: int) -> torch.Tensor | None:
-        """The optional second tensor of a step: an attention mask (batch_size, length) of 0/1."""
-        if len(tensors) == 1:
-            return None
-        if len(tensors) != 2:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"expected hidden states and an optional attention mask, got {len(tensors)} tensors")
-        problem = check_mask(tensors[1], batch_size, length)
-        if problem is not None:
-            raise RequestError(ErrorCode.BAD_REQUEST, problem)
-        return tensors[1]
-
-    def _forward_extras(self, extras: list[torch.Tensor], hidden: torch.Tensor, blocks: BlockRange
-                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(attention_mask, deep prompts) from the tensors after `hidden` in a forward request, told apart by dtype:
-        a mask is bool or integer, prompts are floating point. Each may appear once; not both together."""
+    def _extras(self, extras: list[torch.Tensor], hidden: torch.Tensor, blocks: BlockRange, mask_length: int,
+                max_positions: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(attention_mask, deep prompts) from the tensors after `hidden` in a forward request or inference step,
+        told apart by dtype: a mask (batch, mask_length) is bool or integer, prompts (end - start, P, H) are floating
+        point, with P <= max_positions (default: hidden's length). Each may appear once; with both, the first P
+        slots of every row must be real."""
         masks = [t for t in extras if not t.is_floating_point()]
         prompts = [t for t in extras if t.is_floating_point()]
         if len(masks) > 1 or len(prompts) > 1:
-            raise RequestError(ErrorCode.BAD_REQUEST, "a forward request takes hidden states, then at most one attention "
-                                                      f"mask and one prompts tensor; got {len(extras)} extra tensors")
-        if masks and prompts:
-            raise RequestError(ErrorCode.BAD_REQUEST, "deep prompts with a padded batch (attention_mask) are not supported")
-        mask = self._check_mask([hidden, *masks], hidden.shape[0], hidden.shape[1]) if masks else None
-        return mask, (self._check_prompts(prompts[0], hidden, blocks) if prompts else None)
+            raise RequestError(ErrorCode.BAD_REQUEST, "expected hidden states, then at most one attention mask and one "
+                                                      f"prompts tensor; got {len(extras)} extra tensors")
+        mask = None
+        if masks:
+            problem = check_mask(masks[0], hidden.shape[0], mask_length)
+            if problem is not None:
+                raise RequestError(ErrorCode.BAD_REQUEST, problem)
+            mask = masks[0]
+        if not prompts:
+            return mask, None
+        try:
+            prompt = check_prompts(prompts[0], hidden, blocks.end - blocks.start, max_positions)
+        except ValueError as e:
+            raise RequestError(ErrorCode.BAD_REQUEST, str(e)) from None
+        problem = None if mask is None else check_prompt_slots(mask, prompt.shape[1])
+        if problem is not None:
+            raise RequestError(ErrorCode.BAD_REQUEST, problem)
+        return mask, prompt
 
     def _check_hidden(self, tensors: list[torch.Tensor], batch_size: int | None) -> torch.Tensor:
         if len(tensors) != 1:

@@ -43,6 +43,14 @@ def check_mask(mask: torch.Tensor, batch_size: int, length: int) -> str | None:
     return None
 
 
+def check_prompt_slots(mask: torch.Tensor, prompt_length: int) -> str | None:
+    """None if the first `prompt_length` slots of every row of `mask` (B, S) are real (deep prompts with a padded
+    batch: the prompts come before any padding), else what is wrong."""
+    if not bool(mask[:, :prompt_length].to(torch.bool).all()):
+        return f"with deep prompts, the first {prompt_length} slots of every row must be real (attention_mask 1)"
+    return None
+
+
 @torch.inference_mode()
 def reorder_cache(cache: KVCache, hypo_ids: list[int], length: int) -> None:
     """In place: row i of every block's keys and values becomes old row hypo_ids[i], over slots [0, length)."""
@@ -83,11 +91,14 @@ def _runs(starts: list[int], patterns: list[tuple[bool, ...]]) -> list[tuple[int
 
 @torch.inference_mode()
 def masked_inference_step(
-    stack: BlockStack, hidden: torch.Tensor, mask: torch.Tensor, cache: KVCache, position: int, start: int, end: int
+    stack: BlockStack, hidden: torch.Tensor, mask: torch.Tensor, cache: KVCache, position: int, start: int, end: int,
+    prompts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A session step of hidden (B, T, H) at `position` with attention_mask (B, position + T); returns (B, T, H).
 
     Row i holds mask[i, :position].sum() tokens in its cache; its real slots of this step are appended there.
+    Deep prompts (end - start, P, H) need the first P slots of every row to be real (`check_prompt_slots`): they
+    then stay each row's positions [0, P).
     """
     x = hidden.to(stack.device, stack.dtype)
     mask = mask.to(torch.bool).cpu()
@@ -106,7 +117,7 @@ def masked_inference_step(
         if slots.numel() == 0:
             continue
         part = x[r0:r1, slots]  # (b, n, H)
-        out[r0:r1, slots] = stack.inference_step(part, cache_rows(cache, r0, r1), starts[r0], start, end)
+        out[r0:r1, slots] = stack.inference_step(part, cache_rows(cache, r0, r1), starts[r0], start, end, prompts)
     return out
 
 
@@ -123,26 +134,3 @@ def _ragged_decode(stack: BlockStack, x: torch.Tensor, caches: list[KVCache], po
         ragged = stack.ragged_kv([(c, 0, position) for c, position in zip(caches, positions)], j)
         x = stack.blocks[index - stack.start](x, ragged, 0)
     return x
-
-
-@torch.inference_mode()
-def masked_forward(stack: BlockStack, hidden: torch.Tensor, mask: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """A cache-less forward of hidden (B, T, H) with attention_mask (B, T) through blocks [start, end).
-
-    Rows with the same mask run together; each row sees only its real tokens, numbered from 0.
-    """
-    x = hidden.to(stack.device, stack.dtype)
-    mask = mask.to(torch.bool).cpu()
-    out = x.clone()
-    groups: dict[tuple[bool, ...], list[int]] = {}
-    for row, pattern in enumerate(mask.tolist()):
-        groups.setdefault(tuple(pattern), []).append(row)
-    for pattern, rows in groups.items():
-        slots = torch.tensor(pattern).nonzero().flatten()  # (n,)
-        if slots.numel() == 0:
-            continue
-        index = torch.tensor(rows)
-        part = x[index][:, slots]  # (b, n, H)
-        result = stack.forward(part, start, end)  # (b, n, H)
-        out[index[:, None], slots[None, :]] = result
-    return out
