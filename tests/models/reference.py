@@ -1,5 +1,6 @@
 """Test helpers shared by the family tests: HF reference models, our blocks and head loaded through the
-registry, token ids, KV caches, and running a stack of blocks.
+registry, token ids, KV caches, running a stack of blocks, and per-family adapters that say where each
+family's HF model keeps its layers, norms and embeddings.
 
 Imported by the tests in this folder as ``from reference import ...`` (pytest puts this folder on
 ``sys.path``, as it does ``tests/`` for ``conftest``).
@@ -8,7 +9,10 @@ Imported by the tests in this folder as ``from reference import ...`` (pytest pu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +67,68 @@ def make_reference(config: PretrainedConfig, seed: int = 0, *, norms: str | tupl
             else:
                 param.normal_(0.0, 0.1)
     return model
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    """Where one family's HF model and our client head keep what the family-generic tests reach into."""
+
+    layers: str  # attribute path of the HF decoder layers in the model, e.g. "model.layers"
+    final_norm: str  # attribute path of the HF final norm, e.g. "model.norm"
+    head_embedding: str  # our client head's embedding module, e.g. "embed_tokens"
+    not_head_tensors: tuple[str, ...] = ()  # names outside the HF state dict that is_head_tensor must reject
+    reference_kwargs: Mapping[str, object] = dataclasses.field(default_factory=dict)  # for make_reference
+    embedding_norm: str | None = None  # attribute path of a LayerNorm HF applies to the embeddings (BLOOM)
+    rotary: bool = True  # False: relative positions (ALiBi), so a position offset leaves HF's logits unchanged
+
+    def hf_layers(self, model: nn.Module) -> Sequence[nn.Module]:
+        """The HF model's decoder layers, in order."""
+        return attrgetter(self.layers)(model)
+
+    def hf_embed(self, model: nn.Module, ids: Tensor) -> Tensor:
+        """HF's input to its first decoder layer: token ids (B, T) -> (B, T, H)."""
+        hidden = model.get_input_embeddings()(ids)  # (B, T, H)
+        return attrgetter(self.embedding_norm)(model)(hidden) if self.embedding_norm else hidden
+
+    def hf_logits(self, model: nn.Module, hidden: Tensor) -> Tensor:
+        """HF's final norm and LM head: hidden states (B, T, H) -> logits (B, T, V)."""
+        return model.lm_head(attrgetter(self.final_norm)(model)(hidden))
+
+    def hf_logits_at(self, model: nn.Module, ids: Tensor, position: int) -> Tensor:
+        """HF's logits (B, T, V) for token ids (B, T) placed at positions ``[position, position + T)``."""
+        if not self.rotary:
+            return model(ids).logits
+        B, T = ids.shape
+        return model(ids, position_ids=torch.arange(position, position + T)[None].expand(B, -1)).logits
+
+
+LLAMA_ADAPTER = FamilyAdapter(layers="model.layers", final_norm="model.norm", head_embedding="embed_tokens")
+# keyed by config.model_type, so that picking the adapter does not rely on the registry under test
+ADAPTERS: dict[str, FamilyAdapter] = {
+    "llama": LLAMA_ADAPTER, "mistral": LLAMA_ADAPTER, "qwen2": LLAMA_ADAPTER, "qwen3": LLAMA_ADAPTER,
+    "mixtral": dataclasses.replace(  # HF's eager expert loop; the per-expert hub names are not head tensors
+        LLAMA_ADAPTER, reference_kwargs={"experts_implementation": "eager"},
+        not_head_tensors=("model.layers.0.block_sparse_moe.experts.0.w1.weight",)),
+    "bloom": FamilyAdapter(
+        layers="transformer.h", final_norm="transformer.ln_f", head_embedding="word_embeddings",
+        not_head_tensors=("ln_f.weight",),  # head names are canonical: "transformer.ln_f.weight"
+        reference_kwargs={"norms": ("layernorm.weight", "ln_f.weight")},
+        embedding_norm="transformer.word_embeddings_layernorm", rotary=False),
+    "falcon": FamilyAdapter(
+        layers="transformer.h", final_norm="transformer.ln_f", head_embedding="word_embeddings",
+        reference_kwargs={"norms": ("input_layernorm.weight", "post_attention_layernorm.weight", "ln_attn.weight",
+                                    "ln_mlp.weight", "ln_f.weight")}),
+}
+
+
+def family_adapter(config: PretrainedConfig) -> FamilyAdapter:
+    """The adapter for ``config``'s model type."""
+    return ADAPTERS[config.model_type]
+
+
+def make_family_reference(config: PretrainedConfig, seed: int = 0) -> nn.Module:
+    """``make_reference`` with the family's norm names and options (e.g. Mixtral's eager expert loop)."""
+    return make_reference(config, seed, **family_adapter(config).reference_kwargs)
 
 
 def load_blocks(config: PretrainedConfig, state: dict[str, Tensor]) -> list[nn.Module]:
