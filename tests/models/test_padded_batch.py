@@ -139,6 +139,31 @@ def test_deep_prompts_with_a_padded_session_land_on_each_rows_first_real_slots()
     assert "first 3 slots" in check_prompt_slots(mask, 3)
 
 
+@pytest.mark.parametrize("name", ["llama", "bloom", "falcon-7b-style"])
+def test_a_padded_sessions_decode_step_batches_with_another_sessions_step(name):
+    """decode_batch with per-row positions (the padded session's row lengths) beside a plain session's step gives
+    what the padded session's own step and the plain step give apart."""
+    stack = make_stack(FAMILY_CONFIGS[name])
+    gen = torch.Generator().manual_seed(8)
+    rows = [torch.randn(1, n, 64, generator=gen) for n in LENGTHS]
+    hidden, mask = left_padded(rows)
+    other_prompt, other_token = torch.randn(2, 4, 64, generator=gen), torch.randn(2, 1, 64, generator=gen)
+    step = torch.randn(3, 1, 64, generator=gen)
+    full = torch.cat([mask, torch.ones(3, 1, dtype=torch.bool)], dim=1)
+    padded, apart, other, other_apart = (stack.allocate_cache(b, 16, 0, 2) for b in (3, 3, 2, 2))
+    for cache in (padded, apart):
+        masked_inference_step(stack, hidden, mask, cache, 0, 0, 2)
+    for cache in (other, other_apart):
+        stack.inference_step(other_prompt, cache, 0, 0, 2)
+    lengths = mask.sum(dim=1).tolist()  # [5, 2, 7]
+    got, got_other = stack.decode_batch([(step, padded, lengths, 0, 2), (other_token, other, 4, 0, 2)])
+    torch.testing.assert_close(got, masked_inference_step(stack, step, full, apart, 7, 0, 2), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_other, stack.inference_step(other_token, other_apart, 4, 0, 2), atol=ATOL, rtol=0)
+    alone = stack.decode_batch([(step, padded, [n + 1 for n in lengths], 0, 2)])[0]  # one padded session alone
+    torch.testing.assert_close(alone, masked_inference_step(stack, step, torch.cat([full, full[:, -1:]], 1), apart, 8, 0, 2),
+                               atol=ATOL, rtol=0)
+
+
 def test_rollback_of_a_padded_session_recomputes_each_row_length():
     stack = make_stack(FAMILY_CONFIGS["llama"])
     gen = torch.Generator().manual_seed(3)

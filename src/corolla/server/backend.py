@@ -22,7 +22,8 @@ from corolla.server.backward import add_prompt, backward_through, run_blocks
 logger = logging.getLogger(__name__)
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
-DecodeStep = tuple[torch.Tensor, KVCache, int, int, int]  # hidden (B, 1, H), cache, position, start, end
+# hidden (B, 1, H), cache, position (one for every row, or one per row: a padded session), start, end
+DecodeStep = tuple[torch.Tensor, KVCache, int | list[int], int, int]
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,16 @@ class BlockStack:
 
         steps[i] = (hidden (B_i, 1, H), that session's cache, its position, start, end), all with the same
         [start, end). Returns each step's output (B_i, 1, H), equal to running it alone with `inference_step`.
+        A padded session's step gives one position per row instead: the tokens that row's cache holds (see
+        server.padding), so its rows batch with everyone else's.
         """
-        if len(steps) == 1:  # nothing to batch with: the plain cached step, without gathering the keys
+        if len(steps) == 1 and isinstance(steps[0][2], int):  # nothing to batch with: the plain cached step
             hidden, cache, position, start, end = steps[0]
             return [self.inference_step(hidden, cache, position, start, end)]
         start, end = steps[0][3], steps[0][4]
         x = torch.cat([hidden.to(self.device, self.dtype) for hidden, *_ in steps])  # (sum B_i, 1, H)
-        rows = [(cache, row, position) for hidden, cache, position, _, _ in steps for row in range(hidden.shape[0])]
+        rows = [(cache, row, position if isinstance(position, int) else position[row])
+                for hidden, cache, position, _, _ in steps for row in range(hidden.shape[0])]
         for index in range(start, end):
             x = self.blocks[index - self.start](x, self.ragged_kv(rows, index - start), 0)
         return list(x.split([hidden.shape[0] for hidden, *_ in steps]))

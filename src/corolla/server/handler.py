@@ -226,7 +226,14 @@ class ConnectionHandler:
                     )
                 if step.hypo_ids is not None:  # beam search: rows follow their hypotheses before the step
                     await self.worker.run(PRIORITY_INFERENCE, reorder_cache, cache, step.hypo_ids, step.position)
-                if mask is not None:  # a padded batch: rows of different lengths, not batched with other sessions
+                if mask is not None and hidden.shape[1] == 1 and prompts is None and bool(mask[:, -1].all()):
+                    # a padded session's decode step: each row at its own length, batched with other sessions' steps
+                    lengths = mask[:, : step.position].to(torch.int64).sum(dim=1).tolist()  # tokens each row holds
+                    work = self.worker.run_batched(
+                        PRIORITY_INFERENCE, self.adapters.bind(self.stack.decode_batch, adapter),
+                        (blocks.start, blocks.end, adapter), (hidden, cache, lengths, blocks.start, blocks.end),
+                    )
+                elif mask is not None:  # a padded step with several tokens (or a padded new slot): rows run apart
                     work = self.worker.run(
                         PRIORITY_INFERENCE, self.adapters.bind(masked_inference_step, adapter), self.stack, hidden, mask,
                         cache, step.position, blocks.start, blocks.end, prompts,

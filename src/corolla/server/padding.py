@@ -108,8 +108,8 @@ def masked_inference_step(
     if x.shape[1] == 1 and len(set(starts)) > 1:
         rows = new[:, 0].nonzero().flatten().tolist()
         if rows:
-            out[rows] = _ragged_decode(stack, x[rows], [cache_rows(cache, r, r + 1) for r in rows],
-                                       [starts[r] for r in rows], start, end)
+            outputs = stack.decode_batch([(x[r : r + 1], cache_rows(cache, r, r + 1), starts[r], start, end) for r in rows])
+            out[rows] = torch.cat(outputs)
         return out
     patterns = [tuple(row) for row in new.tolist()]
     for r0, r1 in _runs(starts, patterns):
@@ -124,13 +124,3 @@ def masked_inference_step(
 def cache_rows(cache: KVCache, r0: int, r1: int) -> KVCache:
     """Views of rows [r0, r1) of every block's cache: writes through them land in the session's cache."""
     return [_entry_rows(entry, r0, r1) for entry in cache]
-
-
-def _ragged_decode(stack: BlockStack, x: torch.Tensor, caches: list[KVCache], positions: list[int],
-                   start: int, end: int) -> torch.Tensor:
-    """One token per row (x: (b, 1, H)), row j at its own position with its own (1-row) cache."""
-    for index in range(start, end):
-        j = index - start
-        ragged = stack.ragged_kv([(c, 0, position) for c, position in zip(caches, positions)], j)
-        x = stack.blocks[index - stack.start](x, ragged, 0)
-    return x
