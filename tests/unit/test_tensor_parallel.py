@@ -1,5 +1,8 @@
 """Tensor-parallel blocks (shards on several devices, partials summed) against the unsharded block.
 
+Families: the Llama family and Mixtral, BLOOM (ALiBi slopes of the full model per shard, post-LN residuals) and
+Falcon (multi-query with a copied KV head, grouped new-architecture KV heads, biases, sequential layout).
+
 The unsharded block is itself checked against HF in tests/models; here every sharded path must give its outputs
 within 1e-5 (float32): a cache-less forward, a prefill then single-token cached steps (caches compared too),
 and batched decode over several sessions through `TensorParallelStack.decode_batch` (the RaggedKV path).
@@ -7,10 +10,13 @@ and batched decode over several sessions through `TensorParallelStack.decode_bat
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import (
     BloomConfig,
+    FalconConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -34,22 +40,38 @@ ATOL = 1e-5
 BASE = dict(hidden_size=96, intermediate_size=100, num_attention_heads=12, num_key_value_heads=6, head_dim=8,
             num_hidden_layers=2, vocab_size=64, max_position_embeddings=64, rms_norm_eps=1e-6)
 
-# case id -> (config class, overrides)
+BLOOM_BASE = dict(hidden_size=64, n_head=8, n_layer=2, vocab_size=64)
+FALCON_BASE = dict(hidden_size=96, num_attention_heads=12, num_hidden_layers=2, vocab_size=64, ffn_hidden_size=100,
+                   max_position_embeddings=64, parallel_attn=True, bias=False)
+FALCON_7B = dict(multi_query=True, new_decoder_architecture=False)  # one KV head, one input_layernorm
+FALCON_40B = dict(new_decoder_architecture=True, num_kv_heads=4)  # ln_attn / ln_mlp, 3 query heads per KV head
+
+# case id -> (config class, config kwargs)
 CASES: dict[str, tuple[type[PretrainedConfig], dict]] = {
-    "llama-gqa": (LlamaConfig, {}),
-    "llama-biases": (LlamaConfig, {"attention_bias": True, "mlp_bias": True}),
-    "llama-8heads-4kv": (LlamaConfig, {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 12}),
-    "mistral-window3": (MistralConfig, {"sliding_window": 3}),
-    "qwen2": (Qwen2Config, {}),
-    "qwen3-qk-norm": (Qwen3Config, {"attention_bias": True}),
-    "mixtral": (MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 40}),
+    "llama-gqa": (LlamaConfig, BASE),
+    "llama-biases": (LlamaConfig, {**BASE, "attention_bias": True, "mlp_bias": True}),
+    "llama-8heads-4kv": (LlamaConfig, {**BASE, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 12}),
+    "mistral-window3": (MistralConfig, {**BASE, "sliding_window": 3}),
+    "qwen2": (Qwen2Config, BASE),
+    "qwen3-qk-norm": (Qwen3Config, {**BASE, "attention_bias": True}),
+    "mixtral": (MixtralConfig, {**BASE, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 40}),
+    "bloom": (BloomConfig, BLOOM_BASE),
+    "bloom-6heads": (BloomConfig, {**BLOOM_BASE, "hidden_size": 96, "n_head": 6}),  # slopes: 4 powers + 2 odd ones
+    "bloom-10heads-post-ln": (BloomConfig, {**BLOOM_BASE, "hidden_size": 80, "n_head": 10,
+                                            "apply_residual_connection_post_layernorm": True}),
+    "falcon-7b-multi-query": (FalconConfig, {**FALCON_BASE, **FALCON_7B}),
+    "falcon-7b-multi-query-bias": (FalconConfig, {**FALCON_BASE, **FALCON_7B, "bias": True}),
+    "falcon-40b-grouped": (FalconConfig, {**FALCON_BASE, **FALCON_40B}),
+    "falcon-40b-grouped-bias": (FalconConfig, {**FALCON_BASE, **FALCON_40B, "bias": True}),
+    "falcon2-11b-one-ln": (FalconConfig, {**FALCON_BASE, **FALCON_40B, "num_ln_in_parallel_attn": 1}),
+    "falcon-sequential": (FalconConfig, {**FALCON_BASE, "parallel_attn": False, "multi_query": False}),
 }
 
 
 def make_blocks(case_id: str, seed: int = 0) -> tuple[PretrainedConfig, list[torch.nn.Module]]:
     """Two blocks of the case's family with random weights drawn large enough to make attention and routing uneven."""
-    cls, overrides = CASES[case_id]
-    config = cls(**{**BASE, **overrides})
+    cls, kwargs = CASES[case_id]
+    config = cls(**kwargs)
     family = get_family(config)
     torch.manual_seed(seed)
     blocks = []
@@ -57,7 +79,8 @@ def make_blocks(case_id: str, seed: int = 0) -> tuple[PretrainedConfig, list[tor
         block = family.block_class(config, index).eval().requires_grad_(False)
         with torch.no_grad():
             for name, p in block.named_parameters():
-                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+                is_norm = "norm" in name or name.startswith(("ln_attn", "ln_mlp"))
+                p.copy_(1 + 0.2 * torch.randn_like(p) if is_norm else 0.08 * torch.randn_like(p))
         blocks.append(block)
     return config, blocks
 
@@ -98,11 +121,17 @@ def test_sharded_prefill_then_cached_steps_equal_unsharded(case_id: str, num_sha
         assert_close(sharded.inference_step(x, shard_cache, position, 0, 2), full.inference_step(x, full_cache, position, 0, 2))
     for j in range(2):  # each shard holds its own KV heads: concatenated, they are the unsharded cache
         for t in range(2):
-            assert_close(torch.cat([pair[t] for pair in shard_cache[j]], dim=1), full_cache[j][t])
+            if getattr(sharded.blocks[j].shards[0], "kv_replicated", False):  # multi-query: each holds a copy
+                for pair in shard_cache[j]:
+                    assert_close(pair[t], full_cache[j][t])
+            else:
+                assert_close(torch.cat([pair[t] for pair in shard_cache[j]], dim=1), full_cache[j][t])
 
 
 @pytest.mark.parametrize("num_shards", [2, 3])
-@pytest.mark.parametrize("case_id", ["llama-gqa", "llama-8heads-4kv", "mistral-window3", "qwen3-qk-norm", "mixtral"])
+@pytest.mark.parametrize("case_id", ["llama-gqa", "llama-8heads-4kv", "mistral-window3", "qwen3-qk-norm", "mixtral",
+                                     "bloom-6heads", "bloom-10heads-post-ln", "falcon-7b-multi-query-bias",
+                                     "falcon-40b-grouped", "falcon-sequential"])
 def test_sharded_batched_decode_equals_unsharded(case_id: str, num_shards: int) -> None:
     full, sharded = make_stacks(case_id, num_shards)
     steps_full, steps_sharded = [], []
@@ -135,16 +164,50 @@ def test_split_evenly_gives_contiguous_ranges_larger_first() -> None:
         split_evenly(2, 3)
 
 
-def test_more_devices_than_kv_heads_is_a_clear_error() -> None:
-    config, blocks = make_blocks("llama-8heads-4kv")
-    with pytest.raises(ValueError, match="cannot split 4 KV heads over 5 tensor-parallel devices"):
-        build_tensor_parallel_block(get_family(config), config, blocks[0], ["cpu"] * 5)
+def test_bloom_shards_hold_whole_heads_and_the_full_models_alibi_slopes() -> None:
+    config, blocks = make_blocks("bloom-10heads-post-ln")
+    tp = build_tensor_parallel_block(get_family(config), config, blocks[0], ["cpu"] * 3)
+    assert [s.n_kv_heads for s in tp.shards] == [4, 3, 3]
+    qkv = blocks[0].self_attention.query_key_value.weight  # (3 * 10 * 8, H), per head [q k v]
+    assert torch.equal(tp.shards[1].self_attention.query_key_value.weight, qkv[3 * 4 * 8 : 3 * 7 * 8])
+    full_bias = blocks[0].self_attention._bias(1, 5, 4, torch.float32, torch.device("cpu"))  # (1, 10, 1, 5)
+    assert torch.equal(tp.shards[1].self_attention._bias(1, 5, 4, torch.float32, torch.device("cpu")), full_bias[:, 4:7])
+    assert not tp.shards[1].self_attention.dense.bias.any() and tp.shards[0].self_attention.dense.bias.any()
+
+
+def test_falcon_multi_query_shards_split_query_heads_and_copy_the_kv_head() -> None:
+    config, blocks = make_blocks("falcon-7b-multi-query-bias")
+    family = get_family(config)
+    tp = build_tensor_parallel_block(family, config, blocks[0], ["cpu"] * 5)
+    assert [s.self_attention.n_heads for s in tp.shards] == [3, 3, 2, 2, 2]
+    assert [s.n_kv_heads for s in tp.shards] == [1] * 5
+    qkv = blocks[0].self_attention.query_key_value.weight  # (14 * 8, H): 12 query heads, then k, then v
+    for shard in tp.shards:
+        assert torch.equal(shard.self_attention.query_key_value.weight[-16:], qkv[-16:])
+    assert torch.equal(tp.shards[2].self_attention.query_key_value.weight[:16], qkv[6 * 8 : 8 * 8])
+    stack = TensorParallelStack([tp], 0, config.hidden_size, KVLayout(*family.kv_layout(config)), torch.float32)
+    assert stack.layout.n_kv_heads == 5  # cache memory counts every copy of the KV head
+
+
+@pytest.mark.parametrize(("case_id", "devices", "message"), [
+    ("llama-8heads-4kv", 5, "cannot split 4 KV heads over 5 tensor-parallel devices"),
+    ("bloom-6heads", 7, "cannot split 6 attention heads over 7 tensor-parallel devices.*use at most 6"),
+    ("falcon-7b-multi-query", 13, "cannot split 12 query heads over 13 tensor-parallel devices.*use at most 12"),
+    ("falcon-40b-grouped", 5, "cannot split 4 KV heads over 5 tensor-parallel devices.*use at most 4"),
+])
+def test_more_devices_than_heads_is_a_clear_error(case_id: str, devices: int, message: str) -> None:
+    config, blocks = make_blocks(case_id)
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(get_family(config), config, ["cpu"] * devices)
+    with pytest.raises(ValueError, match=message):
+        build_tensor_parallel_block(get_family(config), config, blocks[0], ["cpu"] * devices)
 
 
 def test_unsupported_family_is_a_clear_error() -> None:
-    config = BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=64)
-    with pytest.raises(ValueError, match="tensor parallelism is not supported for bloom yet"):
-        check_tensor_parallel(get_family(config), config, ["cpu", "cpu"])
+    config = LlamaConfig(**BASE)
+    family = dataclasses.replace(get_family(config), name="gpt2")  # a family with no sharder
+    with pytest.raises(ValueError, match="tensor parallelism is not supported for gpt2 yet"):
+        check_tensor_parallel(family, config, ["cpu", "cpu"])
 
 
 def test_a_plain_kv_pair_is_rejected_by_a_sharded_block() -> None:
@@ -170,7 +233,7 @@ def test_throughput_is_measured_through_the_shards() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case_id", ["llama-gqa", "qwen3-qk-norm", "mixtral"])
+@pytest.mark.parametrize("case_id", ["llama-gqa", "qwen3-qk-norm", "mixtral", "bloom-6heads", "falcon-7b-multi-query"])
 def test_shards_on_cuda_equal_unsharded_block(case_id: str) -> None:
     config, blocks = make_blocks(case_id)
     family = get_family(config)
@@ -188,11 +251,12 @@ def test_shards_on_cuda_equal_unsharded_block(case_id: str) -> None:
 
 
 @pytest.mark.parametrize("num_shards", [2, 3])
-def test_padded_steps_and_beam_reordering_work_on_sharded_caches(num_shards: int) -> None:
+@pytest.mark.parametrize("case_id", ["llama-gqa", "bloom-6heads", "falcon-7b-multi-query"])
+def test_padded_steps_and_beam_reordering_work_on_sharded_caches(case_id: str, num_shards: int) -> None:
     """The padded-batch and beam-search paths (server.padding) take per-shard caches as they take plain ones."""
     from corolla.server.padding import masked_inference_step, reorder_cache
 
-    plain, sharded = make_stacks("llama-gqa", num_shards)
+    plain, sharded = make_stacks(case_id, num_shards)
     torch.manual_seed(1)
     hidden = torch.randn(3, 5, plain.hidden_size)
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)

@@ -1,19 +1,28 @@
 """Tensor parallelism: each hosted block split over several devices, its partial outputs summed.
 
 `corolla serve MODEL --tensor-parallel-devices cuda:0 cuda:1` keeps the span of blocks one server hosts, but
-splits every block into one shard per device (the family decides how; for the Llama family see
-`corolla.models.llama.sharding`: attention by whole KV-head groups, the MLP by inner features):
+splits every block into one shard per device. The family decides how (attention by whole heads or KV-head
+groups, the MLP by inner features): `corolla.models.llama.sharding` (Llama family, Mixtral),
+`corolla.models.bloom.sharding`, `corolla.models.falcon.sharding`. A block runs as one or two residual stages:
 
-    x (B, T, H) on devices[0]
-      ├─► shard 0 on devices[0]: attention_partial(x) ─┐
-      ├─► shard 1 on devices[1]: attention_partial(x) ─┼─► moved to devices[0], summed: h = x + sum
-      └─► ...                                          ─┘
-    h ──► the same with mlp_partial(h): out = h + sum
+    stage i, x (B, T, H) on devices[0]
+      ├─► shard 0 on devices[0]: partial(i, x) ─┐
+      ├─► shard 1 on devices[1]: partial(i, x) ─┼─► moved to devices[0], summed: x' = residual(i, x) + sum
+      └─► ...                                  ─┘
+
+    Llama, BLOOM, sequential Falcon: stage 0 is attention, stage 1 the MLP (pre-norm, one after the other)
+    parallel Falcon (7B, 40B, 180B):  one stage, each shard's partial is its attention + MLP share
+
+``residual(i, x)`` is ``x`` itself, except for BLOOM with ``apply_residual_connection_post_layernorm``
+(the layer-normed x); shard 0 computes it. Row-parallel biases live in shard 0 only, so the partials sum to the
+full block's branch output.
 
 Each shard keeps the KV cache of its own KV heads on its own device, so a session's cache for one block is
 one (k_cache, v_cache) pair per shard:
 
     cache[j] = ((k_0, v_0), (k_1, v_1), ...)     k_s, v_s: (B, n_kv_heads_s, S_max, head_dim) on devices[s]
+
+Falcon-7B's single (multi-query) KV head cannot be split: every shard holds a copy of it and of its cache.
 
 Shards run one after another from the one compute thread. On CUDA that still overlaps: kernels are queued
 asynchronously on each device, and only the sum waits for the partials. On CPU ("cpu cpu") the shards share
@@ -24,12 +33,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
+from corolla.models.bloom.sharding import check_bloom_shardable, shard_bloom_block
+from corolla.models.falcon.sharding import check_falcon_shardable, shard_falcon_block
 from corolla.models.llama.sharding import check_shardable, shard_llama_block
 from corolla.models.ragged import RaggedKV
 from corolla.models.registry import ModelFamily
@@ -40,8 +52,31 @@ logger = logging.getLogger(__name__)
 ShardKV = tuple[Tensor, Tensor] | RaggedKV  # what one shard's block takes as its cache
 ShardedKV = tuple[tuple[Tensor, Tensor], ...]  # one block's session cache: a (k_cache, v_cache) pair per shard
 
-# family name -> (block, config, num_shards) -> shards with attention_partial / mlp_partial
-_SHARDERS = {"llama": shard_llama_block, "mixtral": shard_llama_block}
+
+
+class BlockShard(Protocol):
+    """What every family's shard provides (``LlamaShard``, ``BloomShard``, ``FalconShard``); see the module docstring."""
+
+    n_kv_heads: int  # KV heads this shard caches
+    head_dim: int
+    num_stages: int  # residual stages of the block: 2 (attention, then MLP) or 1 (both in parallel)
+
+    def residual(self, stage: int, hidden: Tensor) -> Tensor:
+        """hidden (B, T, H) -> what stage ``stage``'s partials are added to (B, T, H); only shard 0's is used."""
+        ...
+
+    def partial(self, stage: int, hidden: Tensor, kv: ShardKV | None, position: int) -> Tensor:
+        """hidden (B, T, H) -> this shard's additive share (B, T, H) of stage ``stage``'s branch output."""
+        ...
+
+
+# family name -> (check(config, num_shards), shard(block, config, num_shards) -> shards)
+_SHARDERS: dict[str, tuple[Callable[[PretrainedConfig, int], None], Callable[..., list]]] = {
+    "llama": (check_shardable, shard_llama_block),
+    "mixtral": (check_shardable, shard_llama_block),
+    "bloom": (check_bloom_shardable, shard_bloom_block),
+    "falcon": (check_falcon_shardable, shard_falcon_block),
+}
 
 
 def check_tensor_parallel(family: ModelFamily, config: PretrainedConfig, devices: Sequence[str]) -> None:
@@ -53,7 +88,7 @@ def check_tensor_parallel(family: ModelFamily, config: PretrainedConfig, devices
         raise ValueError(
             f"tensor parallelism is not supported for {family.name} yet; supported families: {', '.join(sorted(_SHARDERS))}"
         )
-    check_shardable(config, len(devices))
+    _SHARDERS[family.name][0](config, len(devices))
 
 
 class TensorParallelBlock(nn.Module):
@@ -69,6 +104,7 @@ class TensorParallelBlock(nn.Module):
         super().__init__()
         if len(shards) != len(devices) or not shards:
             raise ValueError(f"{len(shards)} shards for {len(devices)} devices")
+        self.num_stages = shards[0].num_stages
         self.shards = nn.ModuleList(shard.to(device) for shard, device in zip(shards, devices))
         self.devices = [torch.device(d) for d in devices]
 
@@ -105,19 +141,24 @@ class TensorParallelBlock(nn.Module):
             raise ValueError(f"position must be >= 0, got {position}")
         kvs = self._per_shard(kv)
         hidden = hidden.to(self.devices[0])
-        # every shard's work is queued before any partial is gathered, so devices compute side by side
-        partials = [shard.attention_partial(hidden.to(device), kv_s, position)
-                    for shard, device, kv_s in zip(self.shards, self.devices, kvs)]
-        hidden = hidden + self._sum(partials)  # (B, T, H)
-        partials = [shard.mlp_partial(hidden.to(device)) for shard, device in zip(self.shards, self.devices)]
-        return hidden + self._sum(partials)
+        for stage in range(self.num_stages):
+            # every shard's work is queued before any partial is gathered, so devices compute side by side
+            partials = [shard.partial(stage, hidden.to(device), kv_s, position)
+                        for shard, device, kv_s in zip(self.shards, self.devices, kvs)]
+            hidden = self.shards[0].residual(stage, hidden) + self._sum(partials)  # (B, T, H)
+        return hidden
 
 
 class TensorParallelStack(BlockStack):
-    """A `BlockStack` of `TensorParallelBlock`s: session caches are per shard (see the module docstring)."""
+    """A `BlockStack` of `TensorParallelBlock`s: session caches are per shard (see the module docstring).
+
+    ``layout`` is the family's per-block KV layout; the stack's own ``layout`` counts every shard's KV heads, so
+    cache memory accounting includes the copies of a replicated KV head (Falcon multi-query).
+    """
 
     def __init__(self, blocks: list[TensorParallelBlock], start: int, hidden_size: int, layout: KVLayout,
                  dtype: torch.dtype, max_chunk_tokens: int = 2048) -> None:
+        layout = KVLayout(sum(shard.n_kv_heads for shard in blocks[0].shards), layout.head_dim)
         super().__init__(blocks, start, hidden_size, layout, dtype, blocks[0].devices[0], max_chunk_tokens)
         self.devices = blocks[0].devices
 
@@ -141,7 +182,7 @@ def build_tensor_parallel_block(family: ModelFamily, config: PretrainedConfig, b
     Raises ``ValueError`` as ``check_tensor_parallel`` does.
     """
     check_tensor_parallel(family, config, devices)
-    shards = _SHARDERS[family.name](block, config, len(devices))
+    shards = _SHARDERS[family.name][1](block, config, len(devices))
     return TensorParallelBlock(shards, [torch.device(d) for d in devices])
 
 

@@ -18,7 +18,8 @@ The biases of the row-parallel layers (o_proj, down_proj) stay in shard 0 only a
 shards' partial outputs sum to the full block's. Splits need not be even: shards differ by at most one KV head
 (and one inner feature); every shard needs at least one KV head.
 
-The block output is rebuilt by the caller as ``h = x + sum_s attention_partial_s(x)``, then
+The block output is rebuilt by the caller in two stages (``partial(0, .)`` the attention share, ``partial(1, .)``
+the MLP share, ``residual`` the input itself) as ``h = x + sum_s attention_partial_s(x)``, then
 ``h + sum_s mlp_partial_s(h)``, which equals ``block(x)`` up to float rounding.
 """
 
@@ -84,7 +85,10 @@ class LlamaShard(nn.Module):
 
     ``attention_partial`` and ``mlp_partial`` return this shard's additive share of the block's attention and MLP
     outputs (no residual). The KV cache contract is the block's, for this shard's ``n_kv_heads`` heads only.
+    Stage 0 is attention, stage 1 the MLP; the residual of both is the stage input.
     """
+
+    num_stages = 2
 
     def __init__(self, block: LlamaBlock) -> None:
         super().__init__()
@@ -99,6 +103,14 @@ class LlamaShard(nn.Module):
     def mlp_partial(self, hidden: Tensor) -> Tensor:
         """hidden (B, T, H) -> this shard's share (B, T, H) of ``mlp(post_attention_layernorm(hidden))``."""
         return self.block.mlp(self.block.post_attention_layernorm(hidden))
+
+    def residual(self, stage: int, hidden: Tensor) -> Tensor:
+        """Pre-norm block: each stage's partials are added to its input (B, T, H) itself."""
+        return hidden
+
+    def partial(self, stage: int, hidden: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None, position: int) -> Tensor:
+        """Stage 0: ``attention_partial(hidden, kv, position)``; stage 1: ``mlp_partial(hidden)`` (kv unused)."""
+        return self.attention_partial(hidden, kv, position) if stage == 0 else self.mlp_partial(hidden)
 
 
 def _shard_config(config: PretrainedConfig, kv_heads: int, q_per_kv: int, inner: int, head_dim: int) -> PretrainedConfig:
