@@ -222,6 +222,19 @@ class FalconMLP(nn.Module):
         return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))  # inner: (B, T, ffn_hidden_size)
 
 
+def add_layer_norms(module: nn.Module, config: PretrainedConfig, layout: NormLayout) -> None:
+    """Give ``module`` the LayerNorms a block of ``layout`` has, under HF's names: ``ln_attn``/``ln_mlp``
+    ("separate"), else ``input_layernorm``, plus ``post_attention_layernorm`` ("sequential")."""
+    hidden, eps = int(config.hidden_size), float(config.layer_norm_epsilon)
+    if layout == "separate":
+        module.ln_attn = nn.LayerNorm(hidden, eps=eps)
+        module.ln_mlp = nn.LayerNorm(hidden, eps=eps)
+    else:
+        module.input_layernorm = nn.LayerNorm(hidden, eps=eps)
+    if layout == "sequential":
+        module.post_attention_layernorm = nn.LayerNorm(hidden, eps=eps)
+
+
 class FalconBlock(nn.Module):
     """One Falcon decoder layer, numerically equal to HF's ``FalconDecoderLayer`` (rotary variants).
 
@@ -235,14 +248,7 @@ class FalconBlock(nn.Module):
         check_supported(config)
         self.layer_idx = layer_idx
         self.layout: NormLayout = norm_layout(config)
-        hidden, eps = int(config.hidden_size), float(config.layer_norm_epsilon)
-        if self.layout == "separate":
-            self.ln_attn = nn.LayerNorm(hidden, eps=eps)
-            self.ln_mlp = nn.LayerNorm(hidden, eps=eps)
-        else:
-            self.input_layernorm = nn.LayerNorm(hidden, eps=eps)
-        if self.layout == "sequential":
-            self.post_attention_layernorm = nn.LayerNorm(hidden, eps=eps)
+        add_layer_norms(self, config, self.layout)
         self.self_attention = FalconAttention(config)
         self.mlp = FalconMLP(config)
 

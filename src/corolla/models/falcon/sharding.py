@@ -32,6 +32,7 @@ from corolla.models.falcon.block import (
     FalconBlock,
     FalconLinear,
     FalconMLP,
+    add_layer_norms,
     kv_layout,
     norm_layout,
 )
@@ -92,14 +93,7 @@ class FalconShard(nn.Module):
         self.layout = norm_layout(config)
         self.num_stages = 2 if self.layout == "sequential" else 1
         self.kv_replicated = _is_multi_query(config)
-        hidden, eps = int(config.hidden_size), float(config.layer_norm_epsilon)
-        if self.layout == "separate":
-            self.ln_attn = nn.LayerNorm(hidden, eps=eps)
-            self.ln_mlp = nn.LayerNorm(hidden, eps=eps)
-        else:
-            self.input_layernorm = nn.LayerNorm(hidden, eps=eps)
-        if self.layout == "sequential":
-            self.post_attention_layernorm = nn.LayerNorm(hidden, eps=eps)
+        add_layer_norms(self, config, self.layout)
         self.self_attention = FalconShardAttention(config, n_heads, n_kv_heads)
         mlp_config = copy.copy(config)
         mlp_config.ffn_hidden_size = inner
