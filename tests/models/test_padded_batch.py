@@ -187,7 +187,7 @@ def test_reordered_cache_continues_the_chosen_rows():
     cache = stack.allocate_cache(3, 16, 0, 2)
     stack.inference_step(prompt, cache, 0, 0, 2)
     hypo_ids = [2, 0, 0]
-    reorder_cache(cache, hypo_ids, 4)
+    reorder_cache(stack, cache, hypo_ids, 4)
     got = stack.inference_step(step, cache, 4, 0, 2)
     fresh = stack.allocate_cache(3, 16, 0, 2)
     stack.inference_step(prompt[hypo_ids], fresh, 0, 0, 2)

@@ -264,7 +264,7 @@ def test_padded_steps_and_beam_reordering_work_on_sharded_caches(case_id: str, n
     for stack in (plain, sharded):
         cache = stack.allocate_cache(3, 16, 0, 2)
         prefill = masked_inference_step(stack, hidden, mask, cache, 0, 0, 2)  # (3, 5, H)
-        reorder_cache(cache, [2, 2, 0], 5)
+        reorder_cache(stack, cache, [2, 2, 0], 5)
         step_mask = torch.cat([mask[[2, 2, 0]], torch.ones(3, 1, dtype=torch.bool)], dim=1)
         decode = masked_inference_step(stack, hidden[:, :1] * 0.5, step_mask, cache, 5, 0, 2)  # rows of 4, 4, 3 tokens
         outputs.append((prefill, decode))

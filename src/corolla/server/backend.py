@@ -123,11 +123,17 @@ class BlockStack:
             x = self.blocks[index - self.start](x, self.ragged_kv(rows, index - start), 0)
         return list(x.split([hidden.shape[0] for hidden, *_ in steps]))
 
-    def ragged_kv(self, rows: list[tuple[KVCache, int, int]], j: int) -> RaggedKV:
-        """What block j of a batched decode step takes as its cache: rows[i] = (session cache, row, position).
+    def kv_pairs(self, entry: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (keys, values) pairs one block's cache entry holds: here one; a stack that keeps another cache layout
+        (tensor parallelism: a pair per shard) overrides this, `cache_rows` and `ragged_kv`."""
+        return [entry]
 
-        A stack whose blocks keep another cache layout (tensor parallelism) overrides this.
-        """
+    def cache_rows(self, cache: KVCache, r0: int, r1: int) -> KVCache:
+        """Views of rows [r0, r1) of every block's cache entry: writes through them land in the session's cache."""
+        return [(keys[r0:r1], values[r0:r1]) for keys, values in cache]
+
+    def ragged_kv(self, rows: list[tuple[KVCache, int, int]], j: int) -> RaggedKV:
+        """What block j of a batched decode step takes as its cache: rows[i] = (session cache, row, position)."""
         return RaggedKV(
             [(cache[j][0][row : row + 1], cache[j][1][row : row + 1]) for cache, row, _ in rows],
             [position for _, _, position in rows],

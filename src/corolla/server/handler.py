@@ -225,7 +225,7 @@ class ConnectionHandler:
                         f"step would reach {new_position} tokens, past the session's max_length={message.max_length}",
                     )
                 if step.hypo_ids is not None:  # beam search: rows follow their hypotheses before the step
-                    await self.worker.run(PRIORITY_INFERENCE, reorder_cache, cache, step.hypo_ids, step.position)
+                    await self.worker.run(PRIORITY_INFERENCE, reorder_cache, self.stack, cache, step.hypo_ids, step.position)
                 if mask is not None and hidden.shape[1] == 1 and prompts is None and bool(mask[:, -1].all()):
                     # a padded session's decode step: each row at its own length, batched with other sessions' steps
                     lengths = mask[:, : step.position].to(torch.int64).sum(dim=1).tolist()  # tokens each row holds

@@ -52,30 +52,16 @@ def check_prompt_slots(mask: torch.Tensor, prompt_length: int) -> str | None:
 
 
 @torch.inference_mode()
-def reorder_cache(cache: KVCache, hypo_ids: list[int], length: int) -> None:
+def reorder_cache(stack: BlockStack, cache: KVCache, hypo_ids: list[int], length: int) -> None:
     """In place: row i of every block's keys and values becomes old row hypo_ids[i], over slots [0, length)."""
     ids = torch.tensor(hypo_ids, dtype=torch.long)
     if torch.equal(ids, torch.arange(len(hypo_ids))):
         return  # the identity: nothing moves (common when every beam continued itself)
     for entry in cache:
-        for keys, values in _kv_pairs(entry):
+        for keys, values in stack.kv_pairs(entry):
             ids = ids.to(keys.device)
             for tensor in (keys, values):  # (B, n_kv_heads, S_max, head_dim)
                 tensor[:, :, :length] = tensor[:, :, :length].index_select(0, ids)
-
-
-def _kv_pairs(entry) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (keys, values) pairs of one block's cache entry: one pair, or one per shard (tensor parallelism)."""
-    if isinstance(entry[0], torch.Tensor):
-        return [entry]
-    return list(entry)
-
-
-def _entry_rows(entry, r0: int, r1: int):
-    """Rows [r0, r1) of one block's cache entry, as views, in the entry's own layout."""
-    if isinstance(entry[0], torch.Tensor):
-        return (entry[0][r0:r1], entry[1][r0:r1])
-    return tuple((keys[r0:r1], values[r0:r1]) for keys, values in entry)
 
 
 def _runs(starts: list[int], patterns: list[tuple[bool, ...]]) -> list[tuple[int, int]]:
@@ -108,7 +94,7 @@ def masked_inference_step(
     if x.shape[1] == 1 and len(set(starts)) > 1:
         rows = new[:, 0].nonzero().flatten().tolist()
         if rows:
-            outputs = stack.decode_batch([(x[r : r + 1], cache_rows(cache, r, r + 1), starts[r], start, end) for r in rows])
+            outputs = stack.decode_batch([(x[r : r + 1], stack.cache_rows(cache, r, r + 1), starts[r], start, end) for r in rows])
             out[rows] = torch.cat(outputs)
         return out
     patterns = [tuple(row) for row in new.tolist()]
@@ -117,10 +103,5 @@ def masked_inference_step(
         if slots.numel() == 0:
             continue
         part = x[r0:r1, slots]  # (b, n, H)
-        out[r0:r1, slots] = stack.inference_step(part, cache_rows(cache, r0, r1), starts[r0], start, end, prompts)
+        out[r0:r1, slots] = stack.inference_step(part, stack.cache_rows(cache, r0, r1), starts[r0], start, end, prompts)
     return out
-
-
-def cache_rows(cache: KVCache, r0: int, r1: int) -> KVCache:
-    """Views of rows [r0, r1) of every block's cache: writes through them land in the session's cache."""
-    return [_entry_rows(entry, r0, r1) for entry in cache]

@@ -166,6 +166,14 @@ class TensorParallelStack(BlockStack):
         """Zeroed per-shard caches for blocks [start, end); ``layout`` counts all shards' KV heads together."""
         return [self.blocks[i - self.start].allocate_kv(batch_size, max_length, self.dtype) for i in range(start, end)]
 
+    def kv_pairs(self, entry: ShardedKV) -> list[tuple[Tensor, Tensor]]:
+        """One block's cache entry holds a (keys, values) pair per shard."""
+        return list(entry)
+
+    def cache_rows(self, cache: list[ShardedKV], r0: int, r1: int) -> list[ShardedKV]:
+        """Views of rows [r0, r1) of every shard's keys and values, per block."""
+        return [tuple((keys[r0:r1], values[r0:r1]) for keys, values in entry) for entry in cache]
+
     def ragged_kv(self, rows: list[tuple[list[ShardedKV], int, int]], j: int) -> tuple[RaggedKV, ...]:
         """Block j's batched-decode cache: one `RaggedKV` per shard over the rows' (cache, row, position)."""
         positions = [position for _, _, position in rows]
