@@ -61,3 +61,30 @@ def test_sharded_server_greedy_tokens_equal_hf_generate_and_cache_is_freed(shard
         return info.cache_tokens_free == info.cache_tokens_total
 
     assert wait_until(cache_free, timeout=10), "the session's cache was not released"
+
+
+def test_a_quantized_tensor_parallel_server_announces_int8_and_stays_close_to_hf(tmp_path_factory, tiny_llama_path):
+    """--quant int8 with --tensor-parallel-devices cpu cpu: each shard quantized; logits within the int8 bounds of
+    tests/unit/test_quantization.py (1 - cosine < 1e-4, max |q - f| / max |f| < 0.05)."""
+    log_path = tmp_path_factory.mktemp("logs") / "tensor-parallel-int8.log"
+    env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
+        peers = local.start_dht()
+        args = ["--blocks", "0:4", "--quant", "int8", "--tensor-parallel-devices", "cpu", "cpu", *SERVER_ARGS]
+        server = local.start_server(tiny_llama_path, args, name="tp-int8-server", wait=False)
+        local.wait_ready(server)
+        model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama_path, initial_peers=peers, torch_dtype=torch.float32)
+        try:
+            info = run_sync(request_info(model._node.p2p, _peer_id_from_log(server.tail(200)))).info
+            ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(2))
+            with torch.no_grad():
+                logits = model(ids).logits
+        finally:
+            model.shutdown()
+    reference = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(ids).logits
+    assert info.quant == "int8" and 0 < info.bytes_per_block
+    cosine = torch.nn.functional.cosine_similarity(logits.flatten(), expected.flatten(), dim=0).item()
+    assert 1 - cosine < 1e-4
+    assert 0 < ((logits - expected).abs().max() / expected.abs().max()).item() < 0.05

@@ -54,8 +54,6 @@ class Server:
 
     def __init__(self, config: ServerConfig):
         check_quant_mode(config.quant)
-        if config.tensor_parallel_devices and config.quant != "none":
-            raise ValueError("--tensor-parallel-devices cannot be combined with --quant yet; use --quant none")
         if config.tensor_parallel_devices and config.adapters:
             raise ValueError("--tensor-parallel-devices cannot be combined with --adapters yet")
         if not config.initial_peers and not config.new_swarm:
@@ -328,8 +326,9 @@ class Server:
             indices = range(self.start_block, self.end_block)
             for index in tqdm(indices, desc="loading blocks", unit="block", disable=None):  # a bar on a terminal
                 block = self.family.load_block(self.model_config, index, tensors)
-                if tp_devices:  # split on the host, then each shard moves to its device
-                    block = build_tensor_parallel_block(self.family, self.model_config, block.to(self.dtype), tp_devices)
+                if tp_devices:  # split on the host, then each shard is quantized (if asked) on its way to its device
+                    block = build_tensor_parallel_block(
+                        self.family, self.model_config, block.to(self.dtype), tp_devices, self.config.quant)
                 else:  # quantized (if asked) on its way to the device: a float block never sits on an accelerator
                     block = quantize_block(block.to(self.dtype), self.config.quant, self.device, self.dtype)
                 blocks.append(block.eval().requires_grad_(False))

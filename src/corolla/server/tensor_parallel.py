@@ -31,6 +31,7 @@ the same cores, so it is a correctness path with no speedup: the same code as on
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ from corolla.models.llama.sharding import check_shardable, shard_llama_block
 from corolla.models.ragged import RaggedKV
 from corolla.models.registry import ModelFamily
 from corolla.server.backend import BlockStack, KVLayout
+from corolla.server.quantization import check_quant_mode, quantize_block
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class TensorParallelBlock(nn.Module):
         if len(shards) != len(devices) or not shards:
             raise ValueError(f"{len(shards)} shards for {len(devices)} devices")
         self.num_stages = shards[0].num_stages
-        self.shards = nn.ModuleList(shard.to(device) for shard, device in zip(shards, devices))
+        self.shards = nn.ModuleList(_placed(shard, torch.device(device)) for shard, device in zip(shards, devices))
         self.devices = [torch.device(d) for d in devices]
 
     def allocate_kv(self, batch_size: int, max_length: int, dtype: torch.dtype) -> ShardedKV:
@@ -149,6 +151,15 @@ class TensorParallelBlock(nn.Module):
         return hidden
 
 
+def _placed(shard: nn.Module, device: torch.device) -> nn.Module:
+    """``shard`` on ``device``; one already there (e.g. quantized on its way) is not moved again, since moving
+    bitsandbytes weights through ``Module.to`` can leave their scales behind."""
+    tensors = itertools.chain(shard.parameters(), shard.buffers())
+    if all(t.device == device or (device.index is None and t.device.type == device.type) for t in tensors):
+        return shard
+    return shard.to(device)
+
+
 class TensorParallelStack(BlockStack):
     """A `BlockStack` of `TensorParallelBlock`s: session caches are per shard (see the module docstring).
 
@@ -184,14 +195,18 @@ class TensorParallelStack(BlockStack):
 
 
 def build_tensor_parallel_block(family: ModelFamily, config: PretrainedConfig, block: nn.Module,
-                                devices: Sequence[str]) -> TensorParallelBlock:
-    """Split a loaded full block (on any device, typically the CPU it was loaded on) over ``devices``.
+                                devices: Sequence[str], quant: str = "none") -> TensorParallelBlock:
+    """Split a loaded full block (on any device, typically the CPU it was loaded on) over ``devices``, each shard
+    quantized (``quant``: int8, nf4) on its way to its device, in the block's dtype.
 
-    Raises ``ValueError`` as ``check_tensor_parallel`` does.
+    Raises ``ValueError`` as ``check_tensor_parallel`` does, or for an unknown quantization.
     """
     check_tensor_parallel(family, config, devices)
+    check_quant_mode(quant)
+    dtype = next(block.parameters()).dtype
     shards = _SHARDERS[family.name][1](block, config, len(devices))
-    return TensorParallelBlock(shards, [torch.device(d) for d in devices])
+    placed = [quantize_block(shard, quant, device, dtype) for shard, device in zip(shards, devices)]
+    return TensorParallelBlock(placed, [torch.device(d) for d in devices])
 
 
 def measure_throughput(stack: TensorParallelStack, steps: int = 20) -> float:
