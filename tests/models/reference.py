@@ -31,6 +31,10 @@ from transformers import (
 from corolla.models import get_family
 
 ATOL = 1e-5  # float32 tolerance against the HF reference
+# Per-layer outputs reach |x| ~ 6-9 here, where one float32 ulp is ~5e-7: kernels that sum in another order (other
+# CPUs, thread counts) may differ by tens of ulps. Allowed on top of ATOL in the per-layer check only; a wrong slope,
+# split, mask or residual is off by 1e-2 or more.
+LAYER_RTOL = 1e-5
 VOCAB = 128  # vocabulary of the tiny test configs
 Caches = list[tuple[Tensor, Tensor]]  # one (k_cache, v_cache) per block, each (B, n_kv_heads, S_max, head_dim)
 TINY_BASE = dict(vocab_size=64, hidden_size=64, num_attention_heads=4, initializer_range=0.1)
@@ -188,12 +192,12 @@ def hf_layer_outputs(model: nn.Module, layers: Sequence[nn.Module], ids: Tensor)
 
 def assert_blocks_match_hf_layers(model: nn.Module, layers: Sequence[nn.Module], blocks: Sequence[nn.Module],
                                   head: nn.Module) -> None:
-    """Each of our blocks, fed HF's input to that layer, gives HF's layer output (within ``ATOL``)."""
+    """Each of our blocks, fed HF's input to that layer, gives HF's layer output (within ``ATOL + LAYER_RTOL |x|``)."""
     ids = token_ids()
     outputs = hf_layer_outputs(model, layers, ids)
     inputs = [head.embed(ids), *outputs[:-1]]
     for i, block in enumerate(blocks):
-        torch.testing.assert_close(block(inputs[i]), outputs[i], atol=ATOL, rtol=0, msg=lambda m: f"layer {i}: {m}")
+        torch.testing.assert_close(block(inputs[i]), outputs[i], atol=ATOL, rtol=LAYER_RTOL, msg=lambda m: f"layer {i}: {m}")
 
 
 def assert_decode_steps_match_full_sequence(model: nn.Module, blocks: Sequence[nn.Module], head: nn.Module,
