@@ -226,38 +226,7 @@ class ConnectionHandler:
                     )
                 if step.hypo_ids is not None:  # beam search: rows follow their hypotheses before the step
                     await self.worker.run(PRIORITY_INFERENCE, reorder_cache, self.stack, cache, step.hypo_ids, step.position)
-                if mask is not None and hidden.shape[1] == 1 and prompts is None and bool(mask[:, -1].all()):
-                    # a padded session's decode step: each row at its own length, batched with other sessions' steps
-                    lengths = mask[:, : step.position].to(torch.int64).sum(dim=1).tolist()  # tokens each row holds
-                    work = self.worker.run_batched(
-                        PRIORITY_INFERENCE, self.adapters.bind(self.stack.decode_batch, adapter),
-                        (blocks.start, blocks.end, adapter), (hidden, cache, lengths, blocks.start, blocks.end),
-                    )
-                elif mask is not None:  # a padded step with several tokens (or a padded new slot): rows run apart
-                    work = self.worker.run(
-                        PRIORITY_INFERENCE, self.adapters.bind(masked_inference_step, adapter), self.stack, hidden, mask,
-                        cache, step.position, blocks.start, blocks.end, prompts,
-                    )
-                elif prompts is not None:  # deep prompts on some of this step's positions: never batched
-                    if hidden.shape[0] * hidden.shape[1] <= self._merge_max_tokens():
-                        work = self.worker.run(
-                            PRIORITY_INFERENCE, self.adapters.bind(self.stack.inference_step, adapter),
-                            hidden, cache, step.position, blocks.start, blocks.end, prompts,
-                        )
-                    else:
-                        work = self._long_step(hidden, cache, step.position, blocks, adapter, prompts)
-                elif hidden.shape[1] == 1:  # a decode step: batched with other sessions' steps over the same blocks
-                    work = self.worker.run_batched(  # only steps of the same adapter run together
-                        PRIORITY_INFERENCE, self.adapters.bind(self.stack.decode_batch, adapter),
-                        (blocks.start, blocks.end, adapter), (hidden, cache, step.position, blocks.start, blocks.end),
-                    )
-                elif hidden.shape[0] * hidden.shape[1] <= self._merge_max_tokens():  # short: all blocks in one task
-                    work = self.worker.run(
-                        PRIORITY_INFERENCE, self.adapters.bind(self.stack.inference_step, adapter),
-                        hidden, cache, step.position, blocks.start, blocks.end,
-                    )
-                else:
-                    work = self._long_step(hidden, cache, step.position, blocks, adapter)
+                work = self._step_work(hidden, mask, prompts, cache, step.position, blocks, adapter)
                 try:
                     output = await asyncio.wait_for(work, self.config.step_timeout)
                 except asyncio.TimeoutError:
@@ -268,6 +237,34 @@ class ConnectionHandler:
             self.sessions.pop(session_id, None)
             self.allocator.release(session_id)
             logger.debug("session.close id=%s free_tokens=%d", session_id, self.allocator.budget.free)
+
+    def _step_work(self, hidden: torch.Tensor, mask: torch.Tensor | None, prompts: torch.Tensor | None, cache,
+                   position: int, blocks: BlockRange, adapter: str | None) -> Awaitable[torch.Tensor]:
+        """The compute work of one checked inference step, by kind:
+
+        - a decode step (one token per row, no deep prompts): batched with other sessions' steps over the same blocks
+          and adapter; a padded session's rows each at their own length;
+        - another padded step: its rows grouped by length and real slots (server.padding);
+        - a short step (at most merge_max_tokens, batch x tokens): one task through every block;
+        - a long prefill: one task per chunk and block, at a lower priority (`_long_step`).
+        """
+        if hidden.shape[1] == 1 and prompts is None and (mask is None or bool(mask[:, -1].all())):
+            rows = position if mask is None else mask[:, :position].to(torch.int64).sum(dim=1).tolist()  # tokens held
+            return self.worker.run_batched(
+                PRIORITY_INFERENCE, self.adapters.bind(self.stack.decode_batch, adapter),
+                (blocks.start, blocks.end, adapter), (hidden, cache, rows, blocks.start, blocks.end),
+            )
+        if mask is not None:
+            return self.worker.run(
+                PRIORITY_INFERENCE, self.adapters.bind(masked_inference_step, adapter), self.stack, hidden, mask,
+                cache, position, blocks.start, blocks.end, prompts,
+            )
+        if hidden.shape[0] * hidden.shape[1] <= self._merge_max_tokens():
+            return self.worker.run(
+                PRIORITY_INFERENCE, self.adapters.bind(self.stack.inference_step, adapter),
+                hidden, cache, position, blocks.start, blocks.end, prompts,
+            )
+        return self._long_step(hidden, cache, position, blocks, adapter, prompts)
 
     def _merge_max_tokens(self) -> int:
         """Longest step (batch x tokens) that runs through all blocks as one compute task; nf4 blocks are slow
