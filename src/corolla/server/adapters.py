@@ -34,6 +34,8 @@ from corolla.checkpoint.source import HubFiles
 from corolla.checkpoint.reader import read_bin, read_safetensors
 from corolla.models.lora import LoraWeights, attach_lora, using_adapter
 from corolla.models.registry import ModelFamily
+from corolla.server.tensor_parallel import TensorParallelBlock
+from corolla.server.tensor_parallel_lora import attach_tensor_parallel_lora
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +269,7 @@ def attach_adapters(
     max_disk_space: int | None = None,
 ) -> None:
     """Load each adapter of ``names`` and attach it to ``blocks`` (blocks ``start``, ``start + 1``, ...), in ``dtype``
-    on ``device``. Raises as ``load_lora_adapter`` and ``attach_lora`` do, and ``ValueError`` for a name given twice."""
+    on ``device`` (a `TensorParallelBlock`: sliced per shard, on the shards' devices). Raises as ``load_lora_adapter`` and ``attach_lora`` do, and ``ValueError`` for a name given twice."""
     if len(set(names)) != len(names):
         raise ValueError(f"--adapters names an adapter twice: {list(names)}")
     for name in names:
@@ -275,7 +277,11 @@ def attach_adapters(
             name, family, model_config, range(start, start + len(blocks)), cache_dir=cache_dir, max_disk_space=max_disk_space
         )
         for index, layers in sorted(updates.items()):
-            attach_lora(blocks[index - start], name, layers, dtype, device)
+            block = blocks[index - start]
+            if isinstance(block, TensorParallelBlock):  # each shard gets its slice, on its own device
+                attach_tensor_parallel_lora(block, name, layers, dtype)
+            else:
+                attach_lora(block, name, layers, dtype, device)
 
 
 class AdapterCalls:

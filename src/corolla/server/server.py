@@ -54,8 +54,6 @@ class Server:
 
     def __init__(self, config: ServerConfig):
         check_quant_mode(config.quant)
-        if config.tensor_parallel_devices and config.adapters:
-            raise ValueError("--tensor-parallel-devices cannot be combined with --adapters yet")
         if not config.initial_peers and not config.new_swarm:
             raise ValueError("give --initial-peers of a running swarm, or --new-swarm to start one")
         if config.balance_period < 0 or config.balance_quality < 0:

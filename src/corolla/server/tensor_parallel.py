@@ -27,6 +27,9 @@ Falcon-7B's single (multi-query) KV head cannot be split: every shard holds a co
 Shards run one after another from the one compute thread. On CUDA that still overlaps: kernels are queued
 asynchronously on each device, and only the sum waits for the partials. On CPU ("cpu cpu") the shards share
 the same cores, so it is a correctness path with no speedup: the same code as on GPUs, measurable here.
+
+LoRA adapters (``--adapters``) are sliced per shard like the weights they update: see
+``corolla.server.tensor_parallel_lora``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,11 @@ from transformers import PretrainedConfig
 
 from corolla.models.bloom.sharding import check_bloom_shardable, shard_bloom_block
 from corolla.models.falcon.sharding import check_falcon_shardable, shard_falcon_block
-from corolla.models.llama.sharding import check_shardable, shard_llama_block
+from corolla.models.llama.sharding import (
+    LinearSlice,
+    check_shardable,
+    shard_llama_block,
+)
 from corolla.models.ragged import RaggedKV
 from corolla.models.registry import ModelFamily
 from corolla.server.backend import BlockStack, KVLayout
@@ -62,6 +69,7 @@ class BlockShard(Protocol):
     n_kv_heads: int  # KV heads this shard caches
     head_dim: int
     num_stages: int  # residual stages of the block: 2 (attention, then MLP) or 1 (both in parallel)
+    linear_slices: dict[str, LinearSlice]  # full block's linear layer path -> the part this shard holds (for LoRA)
 
     def residual(self, stage: int, hidden: Tensor) -> Tensor:
         """hidden (B, T, H) -> what stage ``stage``'s partials are added to (B, T, H); only shard 0's is used."""

@@ -14,6 +14,9 @@ ALiBi gives head h the slope ``alibi_slopes(n_heads)[h]`` of the FULL model, so 
 
 The block is two residual stages, attention then MLP. With ``apply_residual_connection_post_layernorm`` a
 stage's residual is its LayerNorm output, else its input; shard 0 computes it (``residual``).
+
+Each shard records the rows or columns it took of every linear layer (``linear_slices``, see ``LinearSlice``),
+so that a LoRA update of the full layer can be sliced the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from corolla.models.bloom.block import (
     kv_layout,
 )
 from corolla.models.common import load_exact_state
-from corolla.models.llama.sharding import split_evenly
+from corolla.models.llama.sharding import LinearSlice, split_evenly
 from corolla.models.ragged import RaggedKV
 
 
@@ -103,6 +106,7 @@ class BloomShard(nn.Module):
         self.self_attention = BloomShardAttention(hidden, self.head_dim, heads, total_heads)
         self.post_attention_layernorm = nn.LayerNorm(hidden, eps=eps)
         self.mlp = BloomShardMLP(hidden, inner)
+        self.linear_slices: dict[str, LinearSlice] = {}  # full block's layer path -> what this shard holds of it
 
     def _norm(self, stage: int) -> nn.LayerNorm:
         return self.input_layernorm if stage == 0 else self.post_attention_layernorm
@@ -134,6 +138,19 @@ def _shard_state(full: dict[str, Tensor], heads: tuple[int, int], inner: tuple[i
     return state
 
 
+def _linear_slices(full: dict[str, Tensor], heads: tuple[int, int], inner: tuple[int, int],
+                   head_dim: int) -> dict[str, LinearSlice]:
+    """The rows (column-parallel) or columns (row-parallel) of each full linear layer that ``_shard_state`` takes."""
+    (a, b), (c, d) = heads, inner
+    taken = {
+        "self_attention.query_key_value": (0, torch.arange(3 * a * head_dim, 3 * b * head_dim)),
+        "self_attention.dense": (1, torch.arange(a * head_dim, b * head_dim)),
+        "mlp.dense_h_to_4h": (0, torch.arange(c, d)),
+        "mlp.dense_4h_to_h": (1, torch.arange(c, d)),
+    }
+    return {layer: LinearSlice(layer, dim, index, tuple(full[f"{layer}.weight"].shape)) for layer, (dim, index) in taken.items()}
+
+
 def shard_bloom_block(block: BloomBlock, config: PretrainedConfig, num_shards: int) -> list[BloomShard]:
     """Split a loaded BLOOM block into ``num_shards`` shards, on the block's device and dtype.
 
@@ -150,5 +167,6 @@ def shard_bloom_block(block: BloomBlock, config: PretrainedConfig, num_shards: i
         shard = BloomShard(config, heads, inner[1] - inner[0]).to(param.device, param.dtype)
         state = _shard_state(full, heads, inner, head_dim, s == 0)
         load_exact_state(shard.state_dict(), state, f"block {block.layer_idx} shard {s}")
+        shard.linear_slices = _linear_slices(full, heads, inner, head_dim)
         shards.append(shard.eval().requires_grad_(False))
     return shards

@@ -16,6 +16,10 @@ The fused ``query_key_value`` is grouped by KV head, ``[q_0 .. q_{g-1} | k_0 | v
 
 Parallel Falcon (every released model) is ONE residual stage, ``x + sum_s (mlp_s(ln(x)) + attn_s(ln(x)))``;
 the sequential layout (``parallel_attn=False``) is two, attention then MLP, as Llama's.
+
+Each shard records the rows or columns it took of every linear layer (``linear_slices``, see ``LinearSlice``),
+so that a LoRA update of the full layer can be sliced the same way; the multi-query KV rows, copied into every
+shard, are rows of a column-parallel layer like the others (each shard uses its copy, nothing is summed).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from corolla.models.falcon.block import (
     norm_layout,
 )
 from corolla.models.llama.rotary import RotaryEmbedding
-from corolla.models.llama.sharding import split_evenly
+from corolla.models.llama.sharding import LinearSlice, split_evenly
 from corolla.models.ragged import RaggedKV
 
 
@@ -99,6 +103,7 @@ class FalconShard(nn.Module):
         mlp_config.ffn_hidden_size = inner
         self.mlp = FalconMLP(mlp_config)
         self.n_kv_heads, self.head_dim = n_kv_heads, self.self_attention.head_dim
+        self.linear_slices: dict[str, LinearSlice] = {}  # full block's layer path -> what this shard holds of it
 
     def residual(self, stage: int, hidden: Tensor) -> Tensor:
         """Falcon adds every stage's partials to the stage input (B, T, H) itself."""
@@ -162,5 +167,15 @@ def shard_falcon_block(block: FalconBlock, config: PretrainedConfig, num_shards:
                 state[name] = full[name] if s == 0 else torch.zeros_like(full[name])
         shard = shard.to(param.device, param.dtype)
         load_exact_state(shard.state_dict(), state, f"block {block.layer_idx} shard {s}")
+        qkv_rows = full["self_attention.query_key_value.weight"].shape[0]
+        taken = {  # the same rows and columns as the weights above, as indices
+            "self_attention.query_key_value":
+                (0, _qkv_rows(torch.arange(qkv_rows), kv_heads, q_heads, n_heads, group, head_dim, multi_query)),
+            "self_attention.dense": (1, torch.arange(q_heads[0] * head_dim, q_heads[1] * head_dim)),
+            "mlp.dense_h_to_4h": (0, torch.arange(c, d)),
+            "mlp.dense_4h_to_h": (1, torch.arange(c, d)),
+        }
+        shard.linear_slices = {layer: LinearSlice(layer, dim, index, tuple(full[f"{layer}.weight"].shape))
+                               for layer, (dim, index) in taken.items()}
         shards.append(shard.eval().requires_grad_(False))
     return shards

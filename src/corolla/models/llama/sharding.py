@@ -21,6 +21,9 @@ shards' partial outputs sum to the full block's. Splits need not be even: shards
 The block output is rebuilt by the caller in two stages (``partial(0, .)`` the attention share, ``partial(1, .)``
 the MLP share, ``residual`` the input itself) as ``h = x + sum_s attention_partial_s(x)``, then
 ``h + sum_s mlp_partial_s(h)``, which equals ``block(x)`` up to float rounding.
+
+Every shard also records which rows or columns of each full linear layer it took (``LinearSlice``, in
+``linear_slices``), so a LoRA update of the full layer can be sliced the same way (server.tensor_parallel_lora).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +54,23 @@ _SLICED: dict[str, tuple[int, str]] = {
 }
 _ROW_PARALLEL_BIASES: frozenset[str] = frozenset({"self_attn.o_proj.bias", "mlp.down_proj.bias"})
 _FUSED_GATE_UP = "mlp.experts.gate_up_proj"  # Mixtral: (E, 2I, H), rows [0, I) gate, [I, 2I) up
+# linear layers copied whole into every shard whose outputs are NOT summed over shards (each shard uses its own)
+_REPLICATED_LINEARS: frozenset[str] = frozenset({"mlp.gate"})  # Mixtral's router: every shard routes alike
+
+
+class LinearSlice(NamedTuple):
+    """What one shard holds of one linear layer of the full block (weight (out_features, in_features)).
+
+    ``dim`` 0: output rows ``index`` (column-parallel; the shard's outputs are its own, not summed);
+    ``dim`` 1: input columns ``index`` (row-parallel; the shards' outputs are summed);
+    ``dim`` None: the whole layer, replicated, its output used by this shard alone (not summed); ``index`` None.
+    Only layers whose output is either per shard or summed exactly once over the shards get a ``LinearSlice``.
+    """
+
+    path: str  # the layer's path inside the shard module, e.g. "block.self_attn.q_proj"
+    dim: int | None
+    index: Tensor | None  # (n,) int64 rows (dim 0) or columns (dim 1) of the full weight
+    full_shape: tuple[int, int]  # (out_features, in_features) of the full layer
 
 
 def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
@@ -90,11 +111,13 @@ class LlamaShard(nn.Module):
 
     num_stages = 2
 
-    def __init__(self, block: LlamaBlock) -> None:
+    def __init__(self, block: LlamaBlock, linear_slices: Mapping[str, LinearSlice] | None = None) -> None:
         super().__init__()
         self.block = block
         self.n_kv_heads = block.self_attn.n_kv_heads
         self.head_dim = block.self_attn.head_dim
+        # full block's layer path ("self_attn.q_proj") -> what this shard holds of it (``LinearSlice``)
+        self.linear_slices: dict[str, LinearSlice] = dict(linear_slices or {})
 
     def attention_partial(self, hidden: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None, position: int) -> Tensor:
         """hidden (B, T, H) -> this shard's share (B, T, H) of ``self_attn(input_layernorm(hidden))``."""
@@ -138,6 +161,22 @@ def _slice(name: str, tensor: Tensor, ranges: Mapping[str, tuple[int, int]], fir
     return tensor
 
 
+def _linear_slices(full: Mapping[str, Tensor], ranges: Mapping[str, tuple[int, int]]) -> dict[str, LinearSlice]:
+    """The shard's ``LinearSlice`` of every linear layer of the full block (state ``full``) that has one."""
+    slices = {}
+    for name, tensor in full.items():
+        layer = name.removesuffix(".weight")
+        if not name.endswith(".weight") or tensor.dim() != 2:
+            continue
+        shape = (int(tensor.shape[0]), int(tensor.shape[1]))
+        if name in _SLICED:
+            dim, kind = _SLICED[name]
+            slices[layer] = LinearSlice(f"block.{layer}", dim, torch.arange(*ranges[kind]), shape)
+        elif layer in _REPLICATED_LINEARS:
+            slices[layer] = LinearSlice(f"block.{layer}", None, None, shape)
+    return slices
+
+
 def shard_llama_block(block: LlamaBlock, config: PretrainedConfig, num_shards: int) -> list[LlamaShard]:
     """Split a loaded Llama-family (or Mixtral) block into ``num_shards`` shards, on the block's device and dtype.
 
@@ -159,5 +198,5 @@ def shard_llama_block(block: LlamaBlock, config: PretrainedConfig, num_shards: i
         shard_block = shard_block.to(param.device, param.dtype)
         state = {name: _slice(name, tensor, ranges, s == 0) for name, tensor in full.items()}
         load_exact_state(shard_block.state_dict(), state, f"block {block.layer_idx} shard {s}")
-        shards.append(LlamaShard(shard_block.eval().requires_grad_(False)))
+        shards.append(LlamaShard(shard_block.eval().requires_grad_(False), _linear_slices(full, ranges)))
     return shards
