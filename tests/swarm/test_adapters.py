@@ -96,14 +96,20 @@ def test_servers_announce_their_adapters(clients, lora_swarm):
     assert announced == {"a": (adapter,), "b": (adapter,), "c": ()}
 
 
-def test_logits_and_greedy_tokens_with_the_adapter_equal_peft(clients, peft_model):
-    with_adapter, _ = clients
-    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(5))
+def peft_logits(peft_model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits with the adapter, logits of the base model) of peft's model for ids; checks the adapter matters."""
     with torch.no_grad():
         expected = peft_model(ids).logits
         with peft_model.disable_adapter():
             base_logits = peft_model(ids).logits
     assert not torch.allclose(expected, base_logits, atol=1e-2), "the adapter should change the logits"
+    return expected, base_logits
+
+
+def test_logits_and_greedy_tokens_with_the_adapter_equal_peft(clients, peft_model):
+    with_adapter, _ = clients
+    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(5))
+    expected, _ = peft_logits(peft_model, ids)
     assert torch.allclose(with_adapter(ids).logits, expected, atol=1e-4, rtol=0)
     prompt = torch.tensor([[1, 17, 42, 99, 5]])
     assert torch.equal(with_adapter.generate(prompt, max_new_tokens=12),
