@@ -22,7 +22,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from conftest import SERVER_ARGS
+from conftest import start_named_servers
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.local_swarm import LocalSwarm
 
@@ -63,11 +63,8 @@ def family(request, tmp_path_factory: pytest.TempPathFactory):
     log_path = tmp_path_factory.mktemp("logs") / f"{case}.log"
     env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
     with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
-        peers = local.start_dht()
-        servers = [local.start_server(path, ["--blocks", blocks, *SERVER_ARGS], name=f"{case}-{blocks}", wait=False)
-                   for blocks in ("0:2", "2:4")]
-        for proc in servers:
-            local.wait_ready(proc)
+        servers = {f"{case}-{blocks}": ["--blocks", blocks] for blocks in ("0:2", "2:4")}
+        peers = start_named_servers(local, path, servers).peers
         model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=peers, torch_dtype=torch.float32)
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         try:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import corolla
-from conftest import SERVER_ARGS, make_llama_checkpoint, wait_until
+from conftest import make_llama_checkpoint, start_named_servers, wait_until
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.connection import Connection
@@ -47,12 +47,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
     log_path = tmp_path_factory.mktemp("logs") / "generation.log"
     env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
     with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
-        peers = local.start_dht()
-        servers = [local.start_server(path, ["--blocks", blocks, *SERVER_ARGS], name=f"gen-{blocks}", wait=False)
-                   for blocks in ("0:2", "2:4")]
-        for proc in servers:
-            local.wait_ready(proc)
-        peer_ids = [re.search(r" as (\S+)", proc.tail(200)).group(1) for proc in servers]
+        swarm = start_named_servers(local, path, {f"gen-{blocks}": ["--blocks", blocks] for blocks in ("0:2", "2:4")})
+        peers, peer_ids = swarm.peers, list(swarm.peer_ids.values())
         model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=peers, torch_dtype=torch.float32)
         try:
             yield dict(path=path, peers=peers, local=local, peer_ids=peer_ids, model=model, tokenizer=tokenizer,

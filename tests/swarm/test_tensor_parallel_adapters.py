@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SERVER_ARGS, make_llama_checkpoint
+from conftest import make_llama_checkpoint, start_named_servers
 from peft import PeftModel
 from test_adapters import peft_logits, save_random_lora
 from transformers import LlamaForCausalLM
@@ -25,9 +25,8 @@ def sharded_lora_swarm(tmp_path_factory: pytest.TempPathFactory):
     save_random_lora(Path(base), Path(adapter))
     log_path = tmp_path_factory.mktemp("logs") / "tensor-parallel-lora.log"
     with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
-        peers = local.start_dht()
-        args = ["--blocks", "0:4", "--tensor-parallel-devices", "cpu", "cpu", "--adapters", adapter, *SERVER_ARGS]
-        local.wait_ready(local.start_server(base, args, name="tp-lora-server", wait=False))
+        args = ["--blocks", "0:4", "--tensor-parallel-devices", "cpu", "cpu", "--adapters", adapter]
+        peers = start_named_servers(local, base, {"tp-lora-server": args}).peers
         peft_model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), adapter).eval()
         with_adapter = AutoDistributedModelForCausalLM.from_pretrained(
             base, initial_peers=peers, torch_dtype=torch.float32, active_adapter=adapter)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SERVER_ARGS, _peer_id_from_log, make_llama_checkpoint, wait_until
+from conftest import make_llama_checkpoint, start_named_servers, wait_until
 from transformers import LlamaForCausalLM
 
 from corolla import AutoDistributedModelForCausalLM
@@ -24,14 +24,13 @@ def sharded_swarm(tmp_path_factory: pytest.TempPathFactory):
     log_path = tmp_path_factory.mktemp("logs") / "tensor-parallel.log"
     env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
     with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
-        peers = local.start_dht()
-        args = ["--blocks", "0:4", "--tensor-parallel-devices", "cpu", "cpu", *SERVER_ARGS]
-        server = local.start_server(tiny_llama_path, args, name="tp-server", wait=False)
-        local.wait_ready(server)
-        model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama_path, initial_peers=peers, torch_dtype=torch.float32)
+        args = ["--blocks", "0:4", "--tensor-parallel-devices", "cpu", "cpu"]
+        swarm = start_named_servers(local, tiny_llama_path, {"tp-server": args})
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            tiny_llama_path, initial_peers=swarm.peers, torch_dtype=torch.float32)
         reference = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
         try:
-            yield model, reference, _peer_id_from_log(server.tail(200)), server.tail(200)
+            yield model, reference, swarm.peer_ids["tp-server"], swarm.procs["tp-server"].tail(200)
         finally:
             model.shutdown()
 
@@ -69,13 +68,12 @@ def test_a_quantized_tensor_parallel_server_announces_int8_and_stays_close_to_hf
     log_path = tmp_path_factory.mktemp("logs") / "tensor-parallel-int8.log"
     env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
     with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
-        peers = local.start_dht()
-        args = ["--blocks", "0:4", "--quant", "int8", "--tensor-parallel-devices", "cpu", "cpu", *SERVER_ARGS]
-        server = local.start_server(tiny_llama_path, args, name="tp-int8-server", wait=False)
-        local.wait_ready(server)
-        model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama_path, initial_peers=peers, torch_dtype=torch.float32)
+        args = ["--blocks", "0:4", "--quant", "int8", "--tensor-parallel-devices", "cpu", "cpu"]
+        swarm = start_named_servers(local, tiny_llama_path, {"tp-int8-server": args})
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            tiny_llama_path, initial_peers=swarm.peers, torch_dtype=torch.float32)
         try:
-            info = run_sync(request_info(model._node.p2p, _peer_id_from_log(server.tail(200)))).info
+            info = run_sync(request_info(model._node.p2p, swarm.peer_ids["tp-int8-server"])).info
             ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(2))
             with torch.no_grad():
                 logits = model(ids).logits
