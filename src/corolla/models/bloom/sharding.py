@@ -35,7 +35,7 @@ from corolla.models.bloom.block import (
     kv_layout,
 )
 from corolla.models.common import load_exact_state
-from corolla.models.llama.sharding import LinearSlice, split_evenly
+from corolla.models.llama.sharding import LinearSlice, sliced_state, split_evenly
 from corolla.models.ragged import RaggedKV
 
 
@@ -122,28 +122,13 @@ class BloomShard(nn.Module):
         return self.self_attention(normed, kv, position) if stage == 0 else self.mlp(normed)
 
 
-def _shard_state(full: dict[str, Tensor], heads: tuple[int, int], inner: tuple[int, int], head_dim: int,
-                 first: bool) -> dict[str, Tensor]:
-    """One shard's tensors, sliced out of the full block's state (see the module docstring for the layout)."""
-    (a, b), (c, d) = heads, inner
-    state = dict(full)  # LayerNorms: replicated
-    for suffix in ("weight", "bias"):
-        state[f"self_attention.query_key_value.{suffix}"] = full[f"self_attention.query_key_value.{suffix}"][
-            3 * a * head_dim : 3 * b * head_dim]  # heads [a, b): their q, k, v rows
-        state[f"mlp.dense_h_to_4h.{suffix}"] = full[f"mlp.dense_h_to_4h.{suffix}"][c:d]
-    state["self_attention.dense.weight"] = full["self_attention.dense.weight"][:, a * head_dim : b * head_dim]
-    state["mlp.dense_4h_to_h.weight"] = full["mlp.dense_4h_to_h.weight"][:, c:d]
-    for name in ("self_attention.dense.bias", "mlp.dense_4h_to_h.bias"):  # row-parallel: added once, by shard 0
-        state[name] = full[name] if first else torch.zeros_like(full[name])
-    return state
-
-
 def _linear_slices(full: dict[str, Tensor], heads: tuple[int, int], inner: tuple[int, int],
                    head_dim: int) -> dict[str, LinearSlice]:
-    """The rows (column-parallel) or columns (row-parallel) of each full linear layer that ``_shard_state`` takes."""
+    """The rows (column-parallel) or columns (row-parallel) a shard holding ``heads`` and ``inner`` features takes
+    of each full linear layer (see the module docstring for the layout); its tensors follow by ``sliced_state``."""
     (a, b), (c, d) = heads, inner
     taken = {
-        "self_attention.query_key_value": (0, torch.arange(3 * a * head_dim, 3 * b * head_dim)),
+        "self_attention.query_key_value": (0, torch.arange(3 * a * head_dim, 3 * b * head_dim)),  # heads' q, k, v
         "self_attention.dense": (1, torch.arange(a * head_dim, b * head_dim)),
         "mlp.dense_h_to_4h": (0, torch.arange(c, d)),
         "mlp.dense_4h_to_h": (1, torch.arange(c, d)),
@@ -165,8 +150,8 @@ def shard_bloom_block(block: BloomBlock, config: PretrainedConfig, num_shards: i
     for s, (heads, inner) in enumerate(zip(split_evenly(n_heads, num_shards),
                                            split_evenly(4 * int(config.hidden_size), num_shards))):
         shard = BloomShard(config, heads, inner[1] - inner[0]).to(param.device, param.dtype)
-        state = _shard_state(full, heads, inner, head_dim, s == 0)
-        load_exact_state(shard.state_dict(), state, f"block {block.layer_idx} shard {s}")
         shard.linear_slices = _linear_slices(full, heads, inner, head_dim)
+        load_exact_state(shard.state_dict(), sliced_state(full, shard.linear_slices, s == 0),
+                         f"block {block.layer_idx} shard {s}")
         shards.append(shard.eval().requires_grad_(False))
     return shards

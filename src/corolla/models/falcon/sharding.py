@@ -41,7 +41,7 @@ from corolla.models.falcon.block import (
     norm_layout,
 )
 from corolla.models.llama.rotary import RotaryEmbedding
-from corolla.models.llama.sharding import LinearSlice, split_evenly
+from corolla.models.llama.sharding import LinearSlice, sliced_state, split_evenly
 from corolla.models.ragged import RaggedKV
 
 
@@ -153,22 +153,9 @@ def shard_falcon_block(block: FalconBlock, config: PretrainedConfig, num_shards:
         kv_heads = (0, 1) if multi_query else heads
         q_heads = heads if multi_query else (heads[0] * group, heads[1] * group)
         shard = FalconShard(config, q_heads[1] - q_heads[0], kv_heads[1] - kv_heads[0], d - c)
-        state = dict(full)  # layer norms: replicated
-        for name, tensor in full.items():
-            if name.startswith("self_attention.query_key_value."):
-                state[name] = _qkv_rows(tensor, kv_heads, q_heads, n_heads, group, head_dim, multi_query)
-            elif name.startswith("mlp.dense_h_to_4h."):
-                state[name] = tensor[c:d]
-        state["self_attention.dense.weight"] = full["self_attention.dense.weight"][
-            :, q_heads[0] * head_dim : q_heads[1] * head_dim]
-        state["mlp.dense_4h_to_h.weight"] = full["mlp.dense_4h_to_h.weight"][:, c:d]
-        for name in ("self_attention.dense.bias", "mlp.dense_4h_to_h.bias"):  # row-parallel: added once, by shard 0
-            if name in full:
-                state[name] = full[name] if s == 0 else torch.zeros_like(full[name])
         shard = shard.to(param.device, param.dtype)
-        load_exact_state(shard.state_dict(), state, f"block {block.layer_idx} shard {s}")
         qkv_rows = full["self_attention.query_key_value.weight"].shape[0]
-        taken = {  # the same rows and columns as the weights above, as indices
+        taken = {  # rows (column-parallel) or columns (row-parallel) of each full linear layer
             "self_attention.query_key_value":
                 (0, _qkv_rows(torch.arange(qkv_rows), kv_heads, q_heads, n_heads, group, head_dim, multi_query)),
             "self_attention.dense": (1, torch.arange(q_heads[0] * head_dim, q_heads[1] * head_dim)),
@@ -177,5 +164,7 @@ def shard_falcon_block(block: FalconBlock, config: PretrainedConfig, num_shards:
         }
         shard.linear_slices = {layer: LinearSlice(layer, dim, index, tuple(full[f"{layer}.weight"].shape))
                                for layer, (dim, index) in taken.items()}
+        load_exact_state(shard.state_dict(), sliced_state(full, shard.linear_slices, s == 0),
+                         f"block {block.layer_idx} shard {s}")
         shards.append(shard.eval().requires_grad_(False))
     return shards

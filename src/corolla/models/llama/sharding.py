@@ -41,18 +41,14 @@ from corolla.models.common import load_exact_state
 from corolla.models.llama.block import LlamaBlock, kv_layout
 from corolla.models.ragged import RaggedKV
 
-# name -> (dim, range kind): the slice of the full tensor a shard holds; every other tensor is replicated.
+# linear layer weight -> (dim, range kind): the rows (0) or columns (1) a shard holds; biases follow (see
+# `sliced_state`), every other tensor is replicated.
 _SLICED: dict[str, tuple[int, str]] = {
-    "self_attn.q_proj.weight": (0, "q"), "self_attn.q_proj.bias": (0, "q"),
-    "self_attn.k_proj.weight": (0, "kv"), "self_attn.k_proj.bias": (0, "kv"),
-    "self_attn.v_proj.weight": (0, "kv"), "self_attn.v_proj.bias": (0, "kv"),
+    "self_attn.q_proj.weight": (0, "q"), "self_attn.k_proj.weight": (0, "kv"), "self_attn.v_proj.weight": (0, "kv"),
     "self_attn.o_proj.weight": (1, "q"),
-    "mlp.gate_proj.weight": (0, "inner"), "mlp.gate_proj.bias": (0, "inner"),
-    "mlp.up_proj.weight": (0, "inner"), "mlp.up_proj.bias": (0, "inner"),
-    "mlp.down_proj.weight": (1, "inner"),
-    "mlp.experts.down_proj": (2, "inner"),  # Mixtral: (E, H, I)
+    "mlp.gate_proj.weight": (0, "inner"), "mlp.up_proj.weight": (0, "inner"), "mlp.down_proj.weight": (1, "inner"),
 }
-_ROW_PARALLEL_BIASES: frozenset[str] = frozenset({"self_attn.o_proj.bias", "mlp.down_proj.bias"})
+_EXPERTS_DOWN = "mlp.experts.down_proj"  # Mixtral: (E, H, I), columns [c, d) of every expert
 _FUSED_GATE_UP = "mlp.experts.gate_up_proj"  # Mixtral: (E, 2I, H), rows [0, I) gate, [I, 2I) up
 # linear layers copied whole into every shard whose outputs are NOT summed over shards (each shard uses its own)
 _REPLICATED_LINEARS: frozenset[str] = frozenset({"mlp.gate"})  # Mixtral's router: every shard routes alike
@@ -71,6 +67,23 @@ class LinearSlice(NamedTuple):
     dim: int | None
     index: Tensor | None  # (n,) int64 rows (dim 0) or columns (dim 1) of the full weight
     full_shape: tuple[int, int]  # (out_features, in_features) of the full layer
+
+
+def sliced_state(full: Mapping[str, Tensor], slices: Mapping[str, LinearSlice], first: bool) -> dict[str, Tensor]:
+    """A shard's tensors from the full block's state ``full``, by its ``slices`` (full layer path -> LinearSlice):
+    each sliced layer's weight takes its rows or columns; a column-parallel bias the same rows; a row-parallel bias
+    stays whole in the ``first`` shard and is zero in the others (added once when the partials are summed). Every
+    other tensor is replicated (the full tensor itself)."""
+    state = dict(full)
+    for layer, part in slices.items():
+        if part.dim is None:
+            continue
+        state[f"{layer}.weight"] = full[f"{layer}.weight"].index_select(part.dim, part.index)
+        bias = full.get(f"{layer}.bias")
+        if bias is not None:
+            state[f"{layer}.bias"] = bias.index_select(0, part.index) if part.dim == 0 else (
+                bias if first else torch.zeros_like(bias))
+    return state
 
 
 def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
@@ -146,19 +159,18 @@ def _shard_config(config: PretrainedConfig, kv_heads: int, q_per_kv: int, inner:
     return shard
 
 
-def _slice(name: str, tensor: Tensor, ranges: Mapping[str, tuple[int, int]], first: bool) -> Tensor:
-    """Shard's part of one full-block tensor (a copy when sliced, the tensor itself when replicated)."""
-    if name in _ROW_PARALLEL_BIASES:
-        return tensor if first else torch.zeros_like(tensor)  # added once, by shard 0
-    if name == _FUSED_GATE_UP:
-        a, b = ranges["inner"]
+def _shard_state(full: Mapping[str, Tensor], slices: Mapping[str, LinearSlice], inner: tuple[int, int],
+                 first: bool) -> dict[str, Tensor]:
+    """A shard's tensors: the linear layers by ``slices`` (``sliced_state``), Mixtral's experts by ``inner``."""
+    state = sliced_state(full, slices, first)
+    a, b = inner
+    if _FUSED_GATE_UP in full:
+        tensor = full[_FUSED_GATE_UP]
         half = tensor.shape[1] // 2
-        return torch.cat([tensor[:, a:b], tensor[:, half + a : half + b]], dim=1)  # (E, 2 * (b - a), H)
-    if name in _SLICED:
-        dim, kind = _SLICED[name]
-        a, b = ranges[kind]
-        return tensor.narrow(dim, a, b - a)
-    return tensor
+        state[_FUSED_GATE_UP] = torch.cat([tensor[:, a:b], tensor[:, half + a : half + b]], dim=1)  # (E, 2(b - a), H)
+    if _EXPERTS_DOWN in full:
+        state[_EXPERTS_DOWN] = full[_EXPERTS_DOWN][:, :, a:b]  # (E, H, b - a)
+    return state
 
 
 def _linear_slices(full: Mapping[str, Tensor], ranges: Mapping[str, tuple[int, int]]) -> dict[str, LinearSlice]:
@@ -196,7 +208,8 @@ def shard_llama_block(block: LlamaBlock, config: PretrainedConfig, num_shards: i
                   "inner": (ia, ib)}
         shard_block = type(block)(_shard_config(config, kb - ka, q_per_kv, ib - ia, head_dim), block.layer_idx)
         shard_block = shard_block.to(param.device, param.dtype)
-        state = {name: _slice(name, tensor, ranges, s == 0) for name, tensor in full.items()}
-        load_exact_state(shard_block.state_dict(), state, f"block {block.layer_idx} shard {s}")
-        shards.append(LlamaShard(shard_block.eval().requires_grad_(False), _linear_slices(full, ranges)))
+        slices = _linear_slices(full, ranges)
+        load_exact_state(shard_block.state_dict(), _shard_state(full, slices, (ia, ib), s == 0),
+                         f"block {block.layer_idx} shard {s}")
+        shards.append(LlamaShard(shard_block.eval().requires_grad_(False), slices))
     return shards
