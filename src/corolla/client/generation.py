@@ -194,7 +194,7 @@ def _session_logits(model: DistributedModelForCausalLM, session: InferenceSessio
             new = mask[:, start : sequence.shape[1]]
             step_mask = torch.cat([new, torch.ones(new.shape[0], pending.shape[1] - new.shape[1], dtype=new.dtype)], dim=1)
             if offset and session.position == 0:  # the prompts go first, real in every row
-                step_mask = torch.cat([torch.ones(new.shape[0], offset, dtype=new.dtype), step_mask], dim=1)
+                step_mask = model.ptune.extend_mask(step_mask)
         hidden = embed_pending(model, session, sequence)  # (rows, t, H), with the prompts first in a fresh ptune session
         hidden = session.step(hidden, attention_mask=step_mask).to(hidden.dtype)
         return model.head.logits(hidden[:, -1:])[:, -1].float()  # (rows, vocab)
