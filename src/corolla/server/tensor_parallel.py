@@ -62,7 +62,6 @@ ShardKV = tuple[Tensor, Tensor] | RaggedKV  # what one shard's block takes as it
 ShardedKV = tuple[tuple[Tensor, Tensor], ...]  # one block's session cache: a (k_cache, v_cache) pair per shard
 
 
-
 class BlockShard(Protocol):
     """What every family's shard provides (``LlamaShard``, ``BloomShard``, ``FalconShard``); see the module docstring."""
 
