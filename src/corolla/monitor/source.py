@@ -1,0 +1,75 @@
+"""SwarmMonitor: the latest view of the swarm and its history, refreshed in the background.
+
+It lives in the caller's event loop and uses the caller's DHT node (a `corolla monitor` process makes its own; an
+API server can share its client's). Web routes only read what it holds, so a page view never waits on the swarm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from corolla.dht import SwarmNode
+from corolla.monitor.collect import collect_state
+from corolla.monitor.config import MonitorConfig
+from corolla.monitor.history import History
+from corolla.monitor.schema import SwarmState
+from corolla.monitor.tracker import PeerTracker
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmMonitor:
+    """`await refresh()` once, then `run()` as a task; `snapshot()` is the state the page and /metrics show."""
+
+    def __init__(self, node: SwarmNode, config: MonitorConfig):
+        self.node = node
+        self.config = config
+        self.history = History(config.history_length)
+        self.latest: SwarmState | None = None
+        self.refreshes = 0  # counters for the monitor's own /metrics
+        self.refresh_failures = 0
+        self.last_refresh_seconds = 0.0
+        self._tracker = PeerTracker()
+        self._ready = asyncio.Event()
+
+    async def refresh(self) -> SwarmState:
+        """Read the DHT and ping every server now; the new state replaces the latest and joins the history.
+        Raises what the DHT raises (the previous state stays)."""
+        begin = time.perf_counter()
+        try:
+            state = await collect_state(
+                self.node, ping_timeout=self.config.ping_timeout, max_pings=self.config.max_pings,
+                refresh_period=self.config.refresh_period, tracker=self._tracker,
+            )
+        except Exception:
+            self.refresh_failures += 1
+            raise
+        finally:
+            self.last_refresh_seconds = time.perf_counter() - begin
+        self.refreshes += 1
+        self.history.add(state)
+        self.latest = state
+        self._ready.set()
+        logger.debug(
+            "monitor.refresh models=%d servers=%d seconds=%.2f", len(state.models),
+            sum(len(m.servers) for m in state.models), self.last_refresh_seconds,
+        )
+        return state
+
+    async def run(self) -> None:
+        """Refresh every refresh_period seconds (counted from the start of each refresh) until cancelled."""
+        while True:
+            begin = time.monotonic()
+            try:
+                await self.refresh()
+            except Exception as e:  # the DHT may be briefly unreachable: keep the last state, try again next period
+                logger.warning("monitor refresh failed: %r", e)
+            await asyncio.sleep(max(0.0, self.config.refresh_period - (time.monotonic() - begin)))
+
+    async def snapshot(self, with_history: bool = True) -> SwarmState:
+        """The latest state (waiting for the first refresh if none finished yet), with the history if asked."""
+        await self._ready.wait()
+        assert self.latest is not None
+        return self.latest.model_copy(update={"history": self.history.samples() if with_history else []})
