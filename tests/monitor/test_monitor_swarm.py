@@ -60,6 +60,7 @@ def test_monitor_logs_its_url_and_serves_the_page_the_state_and_metrics(swarm):
     assert (first["start_block"], first["end_block"], first["state"], first["reachable"]) == (0, 3, "online", True)
     assert first["rtt_ms"] > 0 and first["reachability"] == "direct" and first["cache_tokens_free"] > 0
     assert state["history"] and state["history"][-1]["models"][MODEL]["coverage"] == 1.0
+    assert "ServerView" in get_json(monitor.url + "/api/openapi.json")["components"]["schemas"]  # the documented shape
 
     samples = scrape(monitor.url + "/metrics")
     assert value(samples, "corolla_swarm_blocks", model=MODEL) == 6
@@ -155,9 +156,18 @@ def test_monitor_stops_cleanly_on_sigterm(swarm):
     assert code == 0, monitor.tail()
 
 
+def test_monitor_answers_help():
+    result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "monitor", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "usage: corolla monitor" in result.stdout and "--initial-peers" in result.stdout
+
+
+NOBODY = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWBA7wYAHDVUrcMHpb9gC9hmTiYxmUxNqhcTddmFBVLkDm"  # no DHT peer listens there
+
+
 @pytest.mark.parametrize("args, message", [
     ([], "--initial-peers"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotUsed", "--refresh-period", "0"], "--refresh-period"),
+    (["--initial-peers", NOBODY, "--refresh-period", "0"], "--refresh-period"),
+    (["--initial-peers", NOBODY, "--port", "0"], "could not join the swarm through " + NOBODY),
 ])
 def test_monitor_refuses_bad_arguments_with_a_clear_error(args, message):
     result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "monitor", *args], capture_output=True, text=True,

@@ -36,12 +36,15 @@ async def serve_monitor(config: MonitorConfig, stop: asyncio.Event) -> int:
     """Join the swarm, read it once, serve the page until `stop` is set; logs `http://HOST:PORT` once serving."""
     import uvicorn  # heavy imports only for this command
 
-    from corolla.dht import create_swarm_node
     from corolla.monitor.app import create_monitor_app
-    from corolla.monitor.source import SwarmMonitor
+    from corolla.monitor.source import SwarmMonitor, join_swarm
 
     listener = _bind(config.host, config.port)  # bound before anything else: a taken port fails at once
-    node = await create_swarm_node(config.initial_peers, client_mode=True)
+    try:
+        node = await join_swarm(config.initial_peers)
+    except BaseException:
+        listener.close()
+        raise
     refresher: asyncio.Task[None] | None = None
     try:
         monitor = SwarmMonitor(node, config)

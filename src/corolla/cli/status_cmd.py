@@ -11,9 +11,10 @@ import argparse
 import asyncio
 import json
 
-from corolla.dht import create_swarm_node, model_dht_prefix
+from corolla.dht import model_dht_prefix
 from corolla.monitor.collect import collect_state
 from corolla.monitor.schema import ModelView, SwarmState
+from corolla.monitor.source import join_swarm
 
 PING_TIMEOUT = 3.0  # seconds a server has to answer before it counts as gone
 
@@ -81,7 +82,7 @@ def _model_blocks(model: str | None) -> int | None:
 
 
 async def _collect(initial_peers: list[str], models: dict[str, int | None] | None) -> SwarmState:
-    node = await create_swarm_node(initial_peers, client_mode=True)
+    node = await join_swarm(initial_peers)
     try:
         return await collect_state(node, models=models, ping_timeout=PING_TIMEOUT)
     finally:

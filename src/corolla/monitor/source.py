@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Sequence
 
-from corolla.dht import SwarmNode
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+from corolla.dht import SwarmNode, create_swarm_node
 from corolla.monitor.collect import collect_state
 from corolla.monitor.config import MonitorConfig
 from corolla.monitor.history import History
@@ -73,3 +76,11 @@ class SwarmMonitor:
         await self._ready.wait()
         assert self.latest is not None
         return self.latest.model_copy(update={"history": self.history.samples() if with_history else []})
+
+
+async def join_swarm(initial_peers: Sequence[str]) -> SwarmNode:
+    """A client-mode DHT node joined through `initial_peers`; ValueError naming them when none answers."""
+    try:
+        return await create_swarm_node(initial_peers, client_mode=True)
+    except P2PDaemonError as e:
+        raise ValueError(f"could not join the swarm through {' '.join(initial_peers)}: {e}") from e
