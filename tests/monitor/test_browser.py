@@ -29,6 +29,7 @@ from fastapi.responses import StreamingResponse
 from conftest import SERVER_ARGS, make_llama_checkpoint
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.local_swarm import LocalSwarm
+from corolla.client.event_loop import get_loop, run_sync
 from corolla.dht import create_swarm_node
 from corolla.monitor.app import add_monitor_routes
 from corolla.monitor.config import MonitorConfig
@@ -146,9 +147,10 @@ def generate_a_little(path: str, peers: list[str]) -> None:
 
 
 class ChatPage:
-    """The monitor routes mounted with a chat box, as `corolla api` will serve them, in a thread of this process;
-    the chat endpoint is a small OpenAI-style server-sent-event stream that holds its second chunk back until
-    `release_rest` is set."""
+    """The monitor routes mounted with a chat box, as `corolla api` will serve them, in this process: the monitor
+    refreshes on the client's shared event loop (where an API's model lives) while uvicorn serves from a loop of its
+    own thread. The chat endpoint is a small OpenAI-style server-sent-event stream that holds its second chunk back
+    until `release_rest` is set."""
 
     def __init__(self, initial_peers: list[str]):
         self.initial_peers = initial_peers
@@ -159,11 +161,18 @@ class ChatPage:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="chat-page", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="chat-page", daemon=True)
+        self._node = None
+        self._refresher = None
 
     def __enter__(self) -> ChatPage:
+        self._node = run_sync(create_swarm_node(self.initial_peers, client_mode=True))
+        self.monitor = SwarmMonitor(self._node, MonitorConfig(initial_peers=tuple(self.initial_peers), refresh_period=1.0))
+        run_sync(self.monitor.refresh())
+        self._refresher = asyncio.run_coroutine_threadsafe(self.monitor.run(), get_loop())
         self._thread.start()
         if not self._ready.wait(120) or self._error is not None:
+            self.__exit__()
             raise AssertionError(f"chat page did not start: {self._error!r}")
         return self
 
@@ -171,9 +180,14 @@ class ChatPage:
         self.release_rest.set()
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(60)
+        if self._thread.is_alive():
+            self._thread.join(60)
+        if self._refresher is not None:
+            self._refresher.cancel()
+        if self._node is not None:
+            run_sync(self._node.shutdown(), timeout=30)
 
-    def _run(self) -> None:
+    def _serve(self) -> None:
         try:
             asyncio.run(self._main())
         except BaseException as e:  # reported to the test thread
@@ -182,33 +196,27 @@ class ChatPage:
 
     async def _main(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        node = await create_swarm_node(self.initial_peers, client_mode=True)
-        refresher = None
-        try:
-            monitor = SwarmMonitor(node, MonitorConfig(initial_peers=tuple(self.initial_peers), refresh_period=1.0))
-            await monitor.refresh()
-            refresher = asyncio.create_task(monitor.run())
-            app = FastAPI()
+        app = FastAPI()
 
-            @app.get("/v1/models")
-            async def models() -> dict:
-                return {"object": "list", "data": [{"id": "tiny6", "object": "model", "owned_by": "corolla"}]}
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [{"id": "tiny6", "object": "model", "owned_by": "corolla"}]}
 
-            @app.post("/v1/chat/completions")
-            async def completions(request: Request) -> StreamingResponse:
-                self.requests.append(await request.json())
+        @app.post("/v1/chat/completions")
+        async def completions(request: Request) -> StreamingResponse:
+            self.requests.append(await request.json())
 
-                async def events():
-                    yield _event({"role": "assistant"})
-                    yield _event({"content": FIRST_CHUNK})
-                    await asyncio.to_thread(self.release_rest.wait, 60)
-                    yield _event({"content": REST})
-                    yield "data: [DONE]\n\n"
+            async def events():
+                yield _event({"role": "assistant"})
+                yield _event({"content": FIRST_CHUNK})
+                await asyncio.to_thread(self.release_rest.wait, 60)
+                yield _event({"content": REST})
+                yield "data: [DONE]\n\n"
 
-                return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(events(), media_type="text/event-stream")
 
-            add_monitor_routes(app, monitor, chat_url="/v1/chat/completions")
-            sock = socket.socket()
+        add_monitor_routes(app, self.monitor, chat_url="/v1/chat/completions")
+        with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             sock.listen(16)
             server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off"))
@@ -220,11 +228,6 @@ class ChatPage:
             await self._stop.wait()
             server.should_exit = True
             await serving
-            sock.close()
-        finally:
-            if refresher is not None:
-                refresher.cancel()
-            await node.shutdown()
 
 
 def _event(delta: dict) -> str:

@@ -293,3 +293,13 @@ def test_the_metrics_exporter_on_a_taken_port_is_a_clear_error():
         taken.listen(1)
         with pytest.raises(ValueError, match="cannot serve metrics on 127.0.0.1"):
             ServerMetrics().start_http("127.0.0.1", taken.getsockname()[1])
+
+
+def test_every_step_path_names_a_real_compute_function():
+    """The metrics tell paths apart by function name: renaming one of these must fail here, not go unmeasured."""
+    from corolla.server import padding
+    from corolla.server.backend import BlockStack
+    from corolla.server.metrics import STEP_PATHS
+
+    for name in STEP_PATHS:
+        assert callable(getattr(BlockStack, name, None) or getattr(padding, name, None)), name

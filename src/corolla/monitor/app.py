@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
@@ -23,15 +24,18 @@ FIRST_STATE_WAIT = 30.0  # seconds the page and the JSON wait for the monitor's 
 
 def add_monitor_routes(app: FastAPI, monitor: SwarmMonitor, chat_url: str | None = None, metrics: bool = True) -> None:
     """Serve `monitor`'s page, JSON and (unless `metrics` is False, e.g. where the app has its own /metrics)
-    Prometheus text from `app`. The caller runs the monitor (`refresh()` then `run()`) in the app's event loop.
+    Prometheus text from `app`. The caller runs the monitor (`refresh()` then `run()`) in its DHT node's event loop,
+    which may be another thread's.
     `chat_url`: the app's OpenAI-compatible chat completions path, shown as the page's chat box."""
     registry = swarm_registry(monitor)
 
     async def current(with_history: bool) -> SwarmState | None:
-        try:
-            return await asyncio.wait_for(monitor.snapshot(with_history), FIRST_STATE_WAIT)
-        except asyncio.TimeoutError:
-            return None
+        """The monitor's state; before its first refresh, polled for up to FIRST_STATE_WAIT seconds (the monitor may
+        run in another loop or thread, so nothing here awaits its primitives)."""
+        deadline = time.monotonic() + FIRST_STATE_WAIT
+        while (state := monitor.current(with_history)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return state
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:

@@ -1,7 +1,8 @@
 """SwarmMonitor: the latest view of the swarm and its history, refreshed in the background.
 
-It lives in the caller's event loop and uses the caller's DHT node (a `corolla monitor` process makes its own; an
-API server can share its client's). Web routes only read what it holds, so a page view never waits on the swarm.
+It refreshes in the event loop of the DHT node it is given (a `corolla monitor` process makes its own; an API server
+can share its client's, whose loop runs in another thread). Web routes only read what it holds, with `current()`,
+from any thread or loop, so a page view never waits on the swarm.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 class SwarmMonitor:
-    """`await refresh()` once, then `run()` as a task; `snapshot()` is the state the page and /metrics show."""
+    """`await refresh()` once, then `run()` as a task, both in the node's loop; `current()` is what the page and
+    /metrics show."""
 
     def __init__(self, node: SwarmNode, config: MonitorConfig):
         self.node = node
@@ -35,7 +37,6 @@ class SwarmMonitor:
         self.refresh_failures = 0
         self.last_refresh_seconds = 0.0
         self._tracker = PeerTracker()
-        self._ready = asyncio.Event()
 
     async def refresh(self) -> SwarmState:
         """Read the DHT and ping every server now; the new state replaces the latest and joins the history.
@@ -54,7 +55,6 @@ class SwarmMonitor:
         self.refreshes += 1
         self.history.add(state)
         self.latest = state
-        self._ready.set()
         logger.debug(
             "monitor.refresh models=%d servers=%d seconds=%.2f", len(state.models),
             sum(len(m.servers) for m in state.models), self.last_refresh_seconds,
@@ -71,11 +71,12 @@ class SwarmMonitor:
                 logger.warning("monitor refresh failed: %r", e)
             await asyncio.sleep(max(0.0, self.config.refresh_period - (time.monotonic() - begin)))
 
-    async def snapshot(self, with_history: bool = True) -> SwarmState:
-        """The latest state (waiting for the first refresh if none finished yet), with the history if asked."""
-        await self._ready.wait()
-        assert self.latest is not None
-        return self.latest.model_copy(update={"history": self.history.samples() if with_history else []})
+    def current(self, with_history: bool = True) -> SwarmState | None:
+        """The latest state, with the history if asked; None before the first refresh. Safe from any thread."""
+        latest = self.latest
+        if latest is None:
+            return None
+        return latest.model_copy(update={"history": self.history.samples() if with_history else []})
 
 
 async def join_swarm(initial_peers: Sequence[str]) -> SwarmNode:
