@@ -72,6 +72,7 @@ class ServerMetrics:
         self.bytes_in = Counter("corolla_server_bytes_received", "Bytes read from RPC streams", ["rpc"], registry=r)
         self.bytes_out = Counter("corolla_server_bytes_sent", "Bytes written to RPC streams", ["rpc"], registry=r)
         self.info = Info("corolla_server", "What the server serves", registry=r)
+        self._step_by_path: dict[str, Any] = {}  # step_seconds' child per path (labels() costs a lookup per call)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     # ---------------------------------------------------------------- seams
@@ -90,7 +91,9 @@ class ServerMetrics:
             return
         if path == "decode":
             self.decode_batch.observe(batch_size)
-        histogram = self.step_seconds.labels(path)
+        histogram = self._step_by_path.get(path)
+        if histogram is None:
+            histogram = self._step_by_path[path] = self.step_seconds.labels(path)
         for seconds in latencies:
             histogram.observe(seconds)
 
