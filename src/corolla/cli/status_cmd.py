@@ -1,4 +1,9 @@
-"""`corolla status`: which servers hold which blocks of a model."""
+"""`corolla status`: which servers hold which blocks, judged exactly as the monitor page judges them.
+
+Both read the swarm with corolla.monitor.collect.collect_state: the DHT records, then an rpc_info ping to every
+server, so a server that died shows as `unreachable` (and its blocks as uncovered) at once, although its record
+stays in the DHT until it expires.
+"""
 
 from __future__ import annotations
 
@@ -6,36 +11,61 @@ import argparse
 import asyncio
 import json
 
-from corolla.dht import create_swarm_node, fetch_block_servers, model_dht_prefix
+from corolla.dht import model_dht_prefix
+from corolla.monitor.collect import collect_state
+from corolla.monitor.schema import ModelView, SwarmState
+from corolla.monitor.source import join_swarm
+
+PING_TIMEOUT = 3.0  # seconds a server has to answer before it counts as gone
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("status", help="show which servers hold which blocks",
-                              description="Read the DHT and show each server's blocks, state, throughput and free cache.")
+    p = subparsers.add_parser(
+        "status", help="show which servers hold which blocks",
+        description="Read the DHT, ping every server and show each model's coverage and each server's blocks, state, "
+                    "throughput, free cache and round trip. Without --model: every model announced in the swarm.",
+    )
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers of the swarm")
     p.add_argument("--model", default=None, help="model repo id or directory (its name is the DHT prefix)")
     p.add_argument("--dht-prefix", default=None, help="DHT namespace to read (default: from --model)")
-    p.add_argument("--num-blocks", type=int, default=None, help="blocks to scan (default: from the model's config, else 256)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="blocks to scan (default: from the model's config or the swarm's model index, else 256)")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON: with --model/--dht-prefix that model's view, else the whole swarm's "
+                        "(the shape of the monitor's /api/v1/state)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.model and not args.dht_prefix:
-        raise SystemExit("corolla status: give --model MODEL (or --dht-prefix PREFIX)")
-    prefix = args.dht_prefix or model_dht_prefix(args.model)
-    known_blocks = args.num_blocks or _model_blocks(args.model)
-    report = asyncio.run(_collect(args.initial_peers, prefix, known_blocks))
-    if args.json:
-        print(json.dumps(report, indent=2))
+    prefix = args.dht_prefix or (model_dht_prefix(args.model) if args.model else None)
+    models = None if prefix is None else {prefix: args.num_blocks or _model_blocks(args.model)}
+    state = asyncio.run(_collect(args.initial_peers, models))
+    if prefix is not None:
+        view = state.models[0]
+        if args.json:
+            print(json.dumps(view.model_dump(mode="json"), indent=2))
+        else:
+            _print_model(view)
         return 0
-    print(f"model {report['dht_prefix']}: {report['num_blocks']} blocks, {len(report['servers'])} server(s)")
-    if report["uncovered_blocks"]:
-        print(f"blocks with no online server: {report['uncovered_blocks']}")
-    for s in report["servers"]:
-        print(f"  {s['peer_id']}  blocks {s['start_block']}:{s['end_block']}  {s['state']:<8} "
-              f"{s['throughput']:.1f} tok/s  cache {s['cache_tokens_free']}/{s['cache_tokens_total']}  {s['torch_dtype']}  quant {s.get('quant', 'none')}  v{s['version']}")
+    if args.json:
+        print(json.dumps(state.model_dump(mode="json", exclude={"history"}), indent=2))
+        return 0
+    if not state.models:
+        print("no model is announced in this swarm")
+    for view in state.models:
+        _print_model(view)
     return 0
+
+
+def _print_model(view: ModelView) -> None:
+    health = "healthy" if view.healthy else "missing blocks " + ", ".join(view.missing_ranges)
+    print(f"model {view.dht_prefix}: {view.num_blocks} blocks, {view.servers_online}/{len(view.servers)} server(s) online, {health}")
+    if view.uncovered_blocks:
+        print(f"blocks with no online server: {view.uncovered_blocks}")
+    for s in view.servers:
+        rtt = "-" if s.rtt_ms is None else f"{s.rtt_ms:.1f} ms"
+        print(f"  {s.peer_id}  blocks {s.start_block}:{s.end_block}  {s.state:<11} {s.throughput:.1f} tok/s  "
+              f"cache {s.cache_tokens_free}/{s.cache_tokens_total}  {s.torch_dtype}  quant {s.quant}  v{s.version}  rtt {rtt}")
 
 
 def _model_blocks(model: str | None) -> int | None:
@@ -51,23 +81,9 @@ def _model_blocks(model: str | None) -> int | None:
         return None
 
 
-async def _collect(initial_peers: list[str], prefix: str, known_blocks: int | None) -> dict[str, object]:
-    """Read every block's records; without a known block count, scan 256 keys and stop at the last one found."""
-    num_blocks = known_blocks or 256
-    node = await create_swarm_node(initial_peers, client_mode=True)
+async def _collect(initial_peers: list[str], models: dict[str, int | None] | None) -> SwarmState:
+    node = await join_swarm(initial_peers)
     try:
-        per_block = await fetch_block_servers(node.dht, prefix, range(num_blocks))
+        return await collect_state(node, models=models, ping_timeout=PING_TIMEOUT)
     finally:
         await node.shutdown()
-    servers: dict[str, dict[str, object]] = {}
-    for by_peer in per_block:
-        for peer, info in by_peer.items():
-            servers[peer] = {"peer_id": peer, **info.model_dump(mode="json")}
-    total = known_blocks or max([i + 1 for i, by_peer in enumerate(per_block) if by_peer] or [0])
-    uncovered = [b for b in range(total) if not any(i.state.value == "online" for i in per_block[b].values())]
-    return {
-        "dht_prefix": prefix,
-        "num_blocks": total,
-        "servers": sorted(servers.values(), key=lambda s: (s["start_block"], s["peer_id"])),
-        "uncovered_blocks": uncovered,
-    }

@@ -11,6 +11,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
+from corolla.dht.model_index import MODEL_INDEX_KEY, ModelRecord
 from corolla.protocol.messages import ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -31,15 +32,19 @@ def block_key(prefix: str, block: int) -> str:
 
 
 async def announce_blocks(
-    dht: DHTNode, prefix: str, peer_id: str, info: ServerInfo, expiration_s: float
+    dht: DHTNode, prefix: str, peer_id: str, info: ServerInfo, expiration_s: float, model: ModelRecord | None = None
 ) -> bool:
-    """Store `info` under every block of info's range; returns True when all stores succeeded."""
+    """Store `info` under every block of info's range, and `model` (if given) in the swarm's model index under
+    `prefix` (see dht.model_index), in one DHT round; returns True when all stores succeeded."""
     expiration = get_dht_time() + expiration_s
     keys = [block_key(prefix, b) for b in range(info.start_block, info.end_block)]
-    value = info.model_dump(mode="json")
-    results = await dht.store_many(
-        keys, [value] * len(keys), expiration, subkeys=[peer_id] * len(keys)
-    )
+    values: list[object] = [info.model_dump(mode="json")] * len(keys)
+    subkeys = [peer_id] * len(keys)
+    if model is not None:
+        keys.append(MODEL_INDEX_KEY)
+        values.append(model.model_dump(mode="json"))
+        subkeys.append(prefix)
+    results = await dht.store_many(keys, values, expiration, subkeys=subkeys)
     return all(results.values())
 
 

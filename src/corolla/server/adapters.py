@@ -16,6 +16,7 @@ Requests pick their adapter per session / forward pass; ``AdapterCalls`` runs th
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -310,6 +311,7 @@ class AdapterCalls:
         bound = self._bound.get(key)
         if bound is None:
 
+            @functools.wraps(fn)  # keeps fn's name: server metrics tell compute paths apart by it
             def bound(*args: Any) -> Any:
                 with using_adapter(name):
                     return fn(*args)

@@ -7,22 +7,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from corolla.server.memory_cache import CacheBudget
+
+if TYPE_CHECKING:
+    from corolla.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 
 class CacheAllocator:
-    def __init__(self, total_tokens: int):
+    def __init__(self, total_tokens: int, metrics: ServerMetrics | None = None):
         self.budget = CacheBudget(total_tokens)
+        self.metrics = metrics  # told each reservation's outcome
         self._waiters: deque[tuple[str, int, asyncio.Future[None]]] = deque()
 
     async def reserve(self, owner: str, tokens: int, timeout: float) -> bool:
         """Wait up to `timeout` seconds for `tokens`; True once reserved, False on timeout or if it can never fit."""
         if tokens > self.budget.total:
+            if self.metrics is not None:
+                self.metrics.observe_reservation("too_large", 0.0)
             return False
+        begin = time.monotonic()
+        granted = await self._wait_for(owner, tokens, timeout)
+        if self.metrics is not None:
+            self.metrics.observe_reservation("granted" if granted else "timeout", time.monotonic() - begin)
+        return granted
+
+    async def _wait_for(self, owner: str, tokens: int, timeout: float) -> bool:
         if not self._waiters and self.budget.try_reserve(owner, tokens):
             return True
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class Task:
     fn: Callable[..., Any]  # fn(*args); for a batched task fn(list of args) -> list of results, in order
     args: tuple[Any, ...]
     batch_key: Hashable | None = None
+    submitted: float = field(default_factory=time.perf_counter)  # seconds (perf_counter) when it was queued
 
 
 def take_batch(queue: deque[Task], max_batch: int) -> list[Task]:
@@ -55,9 +57,15 @@ def take_batch(queue: deque[Task], max_batch: int) -> list[Task]:
     return batch
 
 
+# observe(fn, tasks served, each task's seconds from submission to result), called on the compute thread
+Observer = Callable[[Callable[..., Any], int, list[float]], None]
+
+
 class ComputeWorker:
-    def __init__(self, name: str = "corolla-compute", max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(self, name: str = "corolla-compute", max_batch: int = DEFAULT_MAX_BATCH, observe: Observer | None = None):
+        """`observe` (e.g. ServerMetrics.observe_compute) hears of every call that succeeded."""
         self.max_batch = max_batch
+        self.observe = observe
         self.batches_run = 0  # batched calls made, and the tasks they served (for logs and tests)
         self.batched_tasks = 0
         self._queues: dict[int, deque[Task]] = {}
@@ -121,6 +129,12 @@ class ComputeWorker:
             else:
                 for task, result in zip(tasks, results):
                     task.loop.call_soon_threadsafe(_set_result, task.future, result)
+                if self.observe is not None:
+                    done = time.perf_counter()
+                    try:
+                        self.observe(tasks[0].fn, len(tasks), [done - t.submitted for t in tasks])
+                    except Exception:  # metrics must never stop the compute thread
+                        logger.exception("compute observer failed")
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

@@ -98,6 +98,9 @@ class ServerConfig:
             nargs="+",
         ),
     )
+    metrics_port: int = field(
+        default=0, metadata=_opt("serve Prometheus metrics at http://HOST:PORT/metrics on this TCP port; 0 = off")
+    )
     inject_fault: str | None = field(
         default=None,
         metadata=_opt(

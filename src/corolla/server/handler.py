@@ -42,6 +42,7 @@ from corolla.server.backward import check_grad_output, check_prompts
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, PRIORITY_LONG_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
+from corolla.server.metrics import ServerMetrics
 from corolla.server.padding import (
     check_hypo_ids,
     check_mask,
@@ -73,8 +74,10 @@ class ConnectionHandler:
         worker: ComputeWorker,
         config: ServerConfig,
         describe: Callable[[], InfoReply],
+        metrics: ServerMetrics | None = None,
     ):
         self.stack = stack
+        self.metrics = metrics or ServerMetrics()
         self.allocator = allocator
         self.worker = worker
         self.config = config
@@ -92,7 +95,7 @@ class ConnectionHandler:
 
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
         for verb, handler in self._handlers().items():
-            await p2p.add_binary_stream_handler(rpc_handler_name(verb), _stream_adapter(handler))
+            await p2p.add_binary_stream_handler(rpc_handler_name(verb), _stream_adapter(handler, verb, self.metrics))
 
     async def unregister(self, p2p) -> None:
         """Stop accepting new streams (the server is moving to other blocks); open sessions are ended elsewhere."""
@@ -360,11 +363,13 @@ class ConnectionHandler:
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
 
 
-def _stream_adapter(handler: Handler):
-    """Wrap a handler so every failure becomes an ErrorReply on its own stream and nothing escapes."""
+def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics):
+    """Wrap a handler so every failure becomes an ErrorReply on its own stream and nothing escapes; `metrics`
+    counts the stream, its bytes and its error reply."""
 
     async def on_stream(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id.to_base58()
+        reader, writer = metrics.count_stream(verb, reader, writer)
         with closing(writer):
             reply: ErrorReply | None = None
             try:
@@ -386,6 +391,7 @@ def _stream_adapter(handler: Handler):
                 logger.exception("handler failed peer=%s", peer)
                 reply = ErrorReply(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
             if reply is not None:
+                metrics.observe_error(verb, reply.code.value)
                 try:
                     await asyncio.wait_for(write_frame(writer, reply), 5.0)
                 except (ConnectionError, asyncio.TimeoutError, RuntimeError, OSError):

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 import corolla
 from corolla.checkpoint import load_config, load_tensors
-from corolla.dht import SwarmNode, create_swarm_node, fetch_block_servers, model_dht_prefix
+from corolla.dht import ModelRecord, SwarmNode, create_swarm_node, fetch_block_servers, model_dht_prefix
 from corolla.models import get_family
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
@@ -32,6 +32,7 @@ from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
 from corolla.server.dtype_choice import checkpoint_dtype_name, resolve_dtype
 from corolla.server.handler import ConnectionHandler
+from corolla.server.metrics import ServerMetrics
 from corolla.server.network import announced_throughput, measure_bandwidth, network_tokens_per_second
 from corolla.server.quantization import check_quant_mode, estimate_block_bytes, quantize_block, resident_bytes
 from corolla.server.tensor_parallel import (
@@ -81,6 +82,9 @@ class Server:
         self.stack: BlockStack | None = None
         self.allocator: CacheAllocator | None = None
         self.handler: ConnectionHandler | None = None
+        self.metrics = ServerMetrics()  # exported over HTTP only with --metrics-port
+        self.metrics.watch(lambda: len(self.handler.sessions) if self.handler else 0,
+                           lambda: self.allocator.budget if self.allocator else None)
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -124,15 +128,18 @@ class Server:
     async def run(self) -> None:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        worker = ComputeWorker(max_batch=self.config.max_batch_size)
+        worker = ComputeWorker(max_batch=self.config.max_batch_size, observe=self.metrics.observe_compute)
         announcer: Announcer | None = None
         tasks: list[asyncio.Task[None]] = []
         try:
+            if self.config.metrics_port:
+                self.metrics.start_http(self.config.host, self.config.metrics_port)
             self.node = await create_swarm_node(self.config.initial_peers, host=self.config.host, port=self.config.port)
             if self.config.new_swarm:
                 logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(await self.node.maddrs()))
             self.start_block, self.end_block = await self._choose_blocks()
-            announcer = Announcer(self.node.dht, self.prefix, self.node.peer_id, self.server_info, self.config.announce_period, self.config.expiration)
+            model = ModelRecord(num_blocks=self.num_model_blocks, model_type=str(self.model_config.model_type)[:64])
+            announcer = Announcer(self.node.dht, self.prefix, self.node.peer_id, self.server_info, self.config.announce_period, self.config.expiration, model)
             await self._serve_blocks(announcer, worker)
             tasks.append(asyncio.create_task(announcer.run()))
             if self.config.balance_period > 0 and not self.config.blocks:
@@ -154,14 +161,16 @@ class Server:
         self.state = ServerState.JOINING
         await announcer.announce()  # others see the blocks are being taken
         self.stack = await asyncio.get_running_loop().run_in_executor(None, self._load_blocks)
-        self.allocator = CacheAllocator(self._cache_tokens())
+        self.allocator = CacheAllocator(self._cache_tokens(), self.metrics)
         if not self.throughput:
             compute = await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
             network = await self._measure_network()
             self.throughput = announced_throughput(compute, network, self.end_block - self.start_block)
-        self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply)
+        self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply, self.metrics)
         await self.handler.register(self.node.p2p)
         self.state = ServerState.ONLINE
+        self.metrics.describe(peer_id=self.node.peer_id, model=self.prefix, blocks=f"{self.start_block}:{self.end_block}",
+                              dtype=self.dtype_name, quant=self.config.quant, version=corolla.__version__)
         await announcer.announce()
         logger.info(
             "serving blocks %d:%d of %s as %s (dht prefix %s, cache %d tokens, %.1f tokens/s per block) at %s",
@@ -198,6 +207,7 @@ class Server:
         if self.node is not None:
             await self.node.shutdown()
         worker.shutdown()
+        self.metrics.stop_http()
 
     # ------------------------------------------------------------------ rebalancing
     async def _rebalance(self, announcer: Announcer, worker: ComputeWorker) -> None:

@@ -1,0 +1,87 @@
+"""SwarmMonitor: the latest view of the swarm and its history, refreshed in the background.
+
+It refreshes in the event loop of the DHT node it is given (a `corolla monitor` process makes its own; an API server
+can share its client's, whose loop runs in another thread). Web routes only read what it holds, with `current()`,
+from any thread or loop, so a page view never waits on the swarm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Sequence
+
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+from corolla.dht import SwarmNode, create_swarm_node
+from corolla.monitor.collect import collect_state
+from corolla.monitor.config import MonitorConfig
+from corolla.monitor.history import History
+from corolla.monitor.schema import SwarmState
+from corolla.monitor.tracker import PeerTracker
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmMonitor:
+    """`await refresh()` once, then `run()` as a task, both in the node's loop; `current()` is what the page and
+    /metrics show."""
+
+    def __init__(self, node: SwarmNode, config: MonitorConfig):
+        self.node = node
+        self.config = config
+        self.history = History(config.history_length)
+        self.latest: SwarmState | None = None
+        self.refreshes = 0  # counters for the monitor's own /metrics
+        self.refresh_failures = 0
+        self.last_refresh_seconds = 0.0
+        self._tracker = PeerTracker()
+
+    async def refresh(self) -> SwarmState:
+        """Read the DHT and ping every server now; the new state replaces the latest and joins the history.
+        Raises what the DHT raises (the previous state stays)."""
+        begin = time.perf_counter()
+        try:
+            state = await collect_state(
+                self.node, ping_timeout=self.config.ping_timeout, max_pings=self.config.max_pings,
+                refresh_period=self.config.refresh_period, tracker=self._tracker,
+            )
+        except Exception:
+            self.refresh_failures += 1
+            raise
+        finally:
+            self.last_refresh_seconds = time.perf_counter() - begin
+        self.refreshes += 1
+        self.history.add(state)
+        self.latest = state
+        logger.debug(
+            "monitor.refresh models=%d servers=%d seconds=%.2f", len(state.models),
+            sum(len(m.servers) for m in state.models), self.last_refresh_seconds,
+        )
+        return state
+
+    async def run(self) -> None:
+        """Refresh every refresh_period seconds (counted from the start of each refresh) until cancelled."""
+        while True:
+            begin = time.monotonic()
+            try:
+                await self.refresh()
+            except Exception as e:  # the DHT may be briefly unreachable: keep the last state, try again next period
+                logger.warning("monitor refresh failed: %r", e)
+            await asyncio.sleep(max(0.0, self.config.refresh_period - (time.monotonic() - begin)))
+
+    def current(self, with_history: bool = True) -> SwarmState | None:
+        """The latest state, with the history if asked; None before the first refresh. Safe from any thread."""
+        latest = self.latest
+        if latest is None:
+            return None
+        return latest.model_copy(update={"history": self.history.samples() if with_history else []})
+
+
+async def join_swarm(initial_peers: Sequence[str]) -> SwarmNode:
+    """A client-mode DHT node joined through `initial_peers`; ValueError naming them when none answers."""
+    try:
+        return await create_swarm_node(initial_peers, client_mode=True)
+    except P2PDaemonError as e:
+        raise ValueError(f"could not join the swarm through {' '.join(initial_peers)}: {e}") from e
