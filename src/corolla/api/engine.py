@@ -12,9 +12,10 @@ keeps serving the P2P streams meanwhile.
     StreamHandle.next() <── events ───────  post events; step each session (tasks) <──
     cancel() ─── call_soon_threadsafe ──>   _cancel: close the session at once
 
-A step waits for the decode steps launched together with it for at most as long as the first of them took, so
-one slow stream (failover) does not hold back the others. Prefills run beside the decode steps and join the next
-batch. Finished sessions are kept (sessions.IdleSessions) so a follow-up prompt sends only its new tokens; when a
+Before a head pass, the engine waits for the decode steps still in flight, but only until they are overdue
+(3x the usual step time after their launch): streams that drifted apart (a prefill that finished in between)
+fall back into one batch within a step, while one slow stream (failover) does not hold back the others.
+Prefills run beside the decode steps and join the next batch. Finished sessions are kept (sessions.IdleSessions) so a follow-up prompt sends only its new tokens; when a
 server is too full to open a session, kept sessions are given up first, oldest first.
 """
 
@@ -24,11 +25,12 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
+from corolla.api.capacity import SwarmCapacity
 from corolla.api.config import ApiConfig
 from corolla.api.errors import EngineClosed
 from corolla.api.metrics import ApiMetrics
@@ -37,12 +39,14 @@ from corolla.api.sessions import IdleSessions
 from corolla.api.stream import GenerationStream, StreamEvent
 from corolla.client.event_loop import get_loop, run_sync
 from corolla.client.inference_session import InferenceSession
-from corolla.protocol.errors import AllocationFailed, PeerUnavailable, RemoteError
+from corolla.protocol.errors import AllocationFailed
 
 logger = logging.getLogger(__name__)
 
-MAX_GATHER_WAIT = 0.25  # seconds a ready step waits at most for the decode steps launched with it
-EVICTED_ALLOC_WAIT = 1.0  # seconds a new session waits for the cache a just-closed kept session frees
+OVERDUE = 3.0  # a decode step is waited for until this many usual step times after its launch
+MIN_PATIENCE = 0.25  # seconds after its launch a decode step is always waited for (CPU contention delays some)
+MAX_GATHER_WAIT = 2.0  # seconds a head pass waits at most for decode steps in flight
+STEP_TIME_SMOOTHING = 0.2  # weight of a new sample in the usual decode step time
 
 
 class StreamHandle:
@@ -82,6 +86,7 @@ class _Active:
     hidden: torch.Tensor | None = None  # (H,) the last block's output at the last position: ready for the head
     task: asyncio.Task[None] | None = None  # the prefill or decode step in flight
     decoding: bool = False  # task is a decode step (prefills are not waited for)
+    launched: float = 0.0  # when the decode step in flight was launched (monotonic seconds)
     done: bool = False
 
 
@@ -105,7 +110,9 @@ class BatchedEngine:
         self._background: set[asyncio.Task[None]] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._last_launch = 0.0
+        self._step_time: float | None = None  # usual duration of a decode step (smoothed), seconds
+        self._capacity = SwarmCapacity(model.transformer.manager)
+        self._opening = 0  # cache tokens of the sessions being opened now (maybe not reserved on the servers yet)
         self._closing = False
 
     # ------------------------------------------------------------------ any thread
@@ -250,33 +257,48 @@ class BatchedEngine:
     async def _open(self, active: _Active, prompt: list[int], needed: int) -> torch.Tensor:
         """Open a session for `needed` tokens and prefill the prompt; returns the prefill's output (1, T, H).
 
-        First tries, without waiting in the servers' queues, a session with headroom for a follow-up turn; each
-        time a server is full it gives up the oldest kept session and tries again; at last it asks for exactly
-        `needed` tokens, waiting up to alloc_timeout like any client.
+        The servers' free cache is read live first. The session gets headroom for a follow-up turn only if every
+        block has room for it besides the sessions other requests are opening now; while some block has no room
+        even for `needed` tokens, kept sessions are given up, oldest first. If the servers still refuse the
+        session (requests opened at the same time took the room), every kept session is given up and it is tried
+        once more.
         """
         roomy = min(self.max_length, needed + self.config.session_headroom)
-        wait = 0.0
-        while roomy > needed or len(self._idle):
-            session = active.session = self.model.open_session(roomy)
-            base = session.config
-            session.config = replace(base, alloc_timeout=wait, max_retries=0)
+        length = needed
+        if roomy > needed or len(self._idle):
+            free = await self._capacity.free_cache()
+            if self._capacity.fits(free, roomy + self._opening):
+                length = roomy
+            else:
+                while not self._capacity.fits(free, needed) and await self._give_up_oldest():
+                    free = await self._capacity.free_cache()
+        self._opening += length
+        try:
+            session = active.session = self.model.open_session(length)
             try:
-                output = await self._feed(session, prompt)
-                session.config = base
-                return output
-            except (AllocationFailed, PeerUnavailable, RemoteError) as e:
-                active.session = None
-                self._close_later(session, None)
-                victim = self._idle.pop_oldest() if isinstance(e, AllocationFailed) else None
-                if victim is None:
-                    break
-                logger.debug("a server is full: giving up a kept session")
-                self.metrics.idle_sessions_closed.labels("server_full").inc()
-                self.metrics.idle_sessions.set(len(self._idle))
-                await self._close(victim)
-                wait = min(EVICTED_ALLOC_WAIT, self.config.alloc_timeout)
-        session = active.session = self.model.open_session(needed)
-        return await self._feed(session, prompt)
+                return await self._feed(session, prompt)
+            except AllocationFailed:
+                if not len(self._idle):
+                    raise
+            active.session = None
+            self._close_later(session, None)
+            while await self._give_up_oldest():
+                pass
+            session = active.session = self.model.open_session(needed)
+            return await self._feed(session, prompt)
+        finally:
+            self._opening -= length
+
+    async def _give_up_oldest(self) -> bool:
+        """Close the oldest kept session (a server is full); False if none is kept."""
+        victim = self._idle.pop_oldest()
+        if victim is None:
+            return False
+        logger.debug("a server is full: giving up a kept session")
+        self.metrics.idle_sessions_closed.labels("server_full").inc()
+        self.metrics.idle_sessions.set(len(self._idle))
+        await self._close(victim)
+        return True
 
     async def _feed(self, session: InferenceSession, ids: Sequence[int]) -> torch.Tensor:
         """Send tokens through the session; returns the last block's output (1, T, H)."""
@@ -289,6 +311,9 @@ class BatchedEngine:
         try:
             assert active.session is not None
             output = await active.session.step_async(embed)  # (1, 1, H)
+            took = time.monotonic() - active.launched
+            self._step_time = took if self._step_time is None else (
+                (1 - STEP_TIME_SMOOTHING) * self._step_time + STEP_TIME_SMOOTHING * took)
             self.metrics.tokens_sent.inc(1)
             active.hidden = output[0, -1]
         except asyncio.CancelledError:
@@ -322,7 +347,7 @@ class BatchedEngine:
                 for a in ready:
                     self._fail(a, e)
                 continue
-            self._last_launch = time.monotonic()
+            launched = time.monotonic()
             for a, (event, embed) in zip(ready, results):
                 if a.done:  # cancelled during the head pass
                     continue
@@ -330,7 +355,7 @@ class BatchedEngine:
                 if event.finish_reason is not None:
                     self._finish(a)
                 else:
-                    a.decoding = True
+                    a.decoding, a.launched = True, launched
                     a.task = self._loop.create_task(self._decode(a, embed))
 
     async def _sleep(self) -> None:
@@ -343,11 +368,16 @@ class BatchedEngine:
             pass
 
     async def _gather(self) -> None:
-        """Let the decode steps launched with the ready ones come back, for at most as long as they have taken."""
-        pending = [a.task for a in self._active.values() if a.decoding and a.task is not None and not a.task.done()]
+        """Wait for the decode steps in flight that are not overdue, so they join this head pass."""
+        if self._step_time is None:
+            return
+        now = time.monotonic()
+        patience = max(OVERDUE * self._step_time, MIN_PATIENCE)
+        pending = {a.task: a.launched for a in self._active.values()
+                   if a.decoding and a.task is not None and not a.task.done() and now - a.launched < patience}
         if pending:
-            waited = time.monotonic() - self._last_launch
-            await asyncio.wait(pending, timeout=min(max(waited, 0.001), MAX_GATHER_WAIT))
+            deadline = max(pending.values()) + patience
+            await asyncio.wait(pending, timeout=min(max(deadline - now, 0.0), MAX_GATHER_WAIT))
 
     def _expire_idle(self) -> None:
         for session in self._idle.expired(time.monotonic()):

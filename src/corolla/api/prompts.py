@@ -36,8 +36,12 @@ class PromptError(ValueError):
 
 
 def fallback_text(messages: Sequence[dict[str, str]]) -> str:
-    """The plain chat prompt of the module docstring."""
-    lines = [f"{FALLBACK_ROLES.get(m['role'], m['role'].capitalize())}: {m['content']}" for m in messages]
+    """The plain chat prompt of the module docstring. A content's own leading space is the one after the colon
+    (a reply generated after "Assistant:" starts with one), so a reply sent back re-tokenizes as generated."""
+    lines = []
+    for m in messages:
+        content = m["content"][1:] if m["content"].startswith(" ") else m["content"]
+        lines.append(f"{FALLBACK_ROLES.get(m['role'], m['role'].capitalize())}: {content}")
     return "\n".join([*lines, "Assistant:"])
 
 
