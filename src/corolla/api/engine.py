@@ -33,6 +33,7 @@ import torch
 from corolla.api.capacity import SwarmCapacity
 from corolla.api.config import ApiConfig
 from corolla.api.errors import EngineClosed
+from corolla.api.handle import StreamHandle
 from corolla.api.metrics import ApiMetrics
 from corolla.api.sampling import SamplingParams, make_generator, sample_rows
 from corolla.api.sessions import IdleSessions
@@ -47,35 +48,6 @@ OVERDUE = 3.0  # a decode step is waited for until this many usual step times af
 MIN_PATIENCE = 0.25  # seconds after its launch a decode step is always waited for (CPU contention delays some)
 MAX_GATHER_WAIT = 2.0  # seconds a head pass waits at most for decode steps in flight
 STEP_TIME_SMOOTHING = 0.2  # weight of a new sample in the usual decode step time
-
-
-class StreamHandle:
-    """The HTTP side's end of one choice: `await next()` returns its events in order, `cancel()` ends it now."""
-
-    def __init__(self, engine: BatchedEngine, loop: asyncio.AbstractEventLoop):
-        self._engine = engine
-        self._loop = loop
-        self._events: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        self.finished = False  # the last event (finish or error) was taken
-
-    def post(self, event: StreamEvent) -> None:
-        """Queue an event for the HTTP side (any thread)."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:  # the HTTP loop is closed: nobody is listening
-            pass
-
-    async def next(self) -> StreamEvent:
-        event = await self._events.get()
-        if event.finish_reason is not None or event.error is not None:
-            self.finished = True
-        return event
-
-    def cancel(self) -> None:
-        """End the choice (the client went away): its session is closed, its reservations freed at once."""
-        if not self.finished:
-            self.finished = True
-            self._engine.cancel(self)
 
 
 @dataclass(eq=False)
@@ -135,7 +107,7 @@ class BatchedEngine:
         """
         if self._closing:
             raise EngineClosed("the API is shutting down")
-        handle = StreamHandle(self, asyncio.get_running_loop())
+        handle = StreamHandle(self.cancel, asyncio.get_running_loop())
         stream = GenerationStream(prompt_ids, params, self.tokenizer, self.vocab_size, make_generator(params.seed, index))
         self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
         self._loop.call_soon_threadsafe(self._admit, _Active(handle, stream))

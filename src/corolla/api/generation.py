@@ -19,7 +19,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
-from corolla.api.engine import BatchedEngine, StreamHandle
+from corolla.api.engine import BatchedEngine
+from corolla.api.handle import StreamHandle
 from corolla.api.errors import ApiError, from_exception
 from corolla.api.metrics import ApiMetrics
 from corolla.api.responses import ChoiceResult, ResponseFormat, usage_body
