@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 
 from corolla.api.config import ApiConfig
@@ -70,7 +71,12 @@ def run(args: argparse.Namespace) -> int:
                             config.model_name or config.model, url, max_length)
             await task
 
-        asyncio.run(serve())
+        _interrupt_on(signal.SIGINT, signal.SIGTERM)
+        try:
+            asyncio.run(serve())
+        except KeyboardInterrupt:  # uvicorn stopped gracefully, then re-raised the signal it caught
+            pass
+        logger.info("stopped")
     finally:
         if engine is not None:
             engine.close()
@@ -92,3 +98,15 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def _interrupt_on(*signals: int) -> None:
+    """Make these signals raise KeyboardInterrupt. uvicorn catches them to shut down gracefully, then raises them
+    again with the previous handler: the default SIGTERM action would kill the process before its sessions and
+    DHT node (p2pd) are closed."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in signals:
+        signal.signal(sig, interrupt)
