@@ -52,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
                                                             torch_dtype=getattr(torch, config.dtype))
     engine = None
     try:
-        positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
-        max_length = config.max_length or min(int(positions), DEFAULT_MAX_LENGTH)
+        max_length = config.max_length or _default_max_length(model)
         engine = BatchedEngine(model, tokenizer, config, ApiMetrics(), max_length)
         engine.start()
         app = build_app(engine, config)
@@ -83,6 +82,25 @@ def run(args: argparse.Namespace) -> int:
         model.shutdown()
         sock.close()
     return 0
+
+
+def _default_max_length(model) -> int:
+    """The model's max_position_embeddings (at most DEFAULT_MAX_LENGTH), and no more than the servers now in the
+    swarm accept for a session (per block the most any of its servers accepts, then the least over blocks)."""
+    from corolla.client.event_loop import run_sync
+    from corolla.protocol.messages import ServerState
+
+    positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
+    limit = min(int(positions), DEFAULT_MAX_LENGTH)
+    manager = model.transformer.manager
+    try:
+        run_sync(manager.update(force=True), timeout=30)
+    except Exception as e:  # the swarm is unreachable now: requests will say so
+        logger.warning("could not read the swarm's session limits: %s", e)
+        return limit
+    per_block = [max((info.max_session_length for info in servers.values() if info.state == ServerState.ONLINE),
+                     default=limit) for servers in manager.block_servers]
+    return min([limit, *per_block])
 
 
 def _bind(host: str, port: int) -> socket.socket:
