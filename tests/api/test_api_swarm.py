@@ -270,6 +270,12 @@ def test_an_aborted_stream_frees_its_reservations_at_once(api_swarm, free_cache)
                 break
         assert held <= total - 500  # the long session held its reservation while it streamed
     assert wait_for(lambda: free_cache(small)[0] == total, timeout=10)
+    gone = metric(api_swarm.plain, "corolla_api_requests_total", endpoint="completions", status="499")
+    with pytest.raises(httpx.ReadTimeout):  # a client giving up on a whole response ends it too
+        httpx.post(api_swarm.plain.url + "/completions", json={**body, "stream": False},
+                   timeout=httpx.Timeout(60, read=1.0))
+    assert wait_for(lambda: free_cache(small)[0] == total, timeout=10)
+    assert metric(api_swarm.plain, "corolla_api_requests_total", endpoint="completions", status="499") == gone + 1
     long = client(api_swarm.plain).completions.create(model=api_swarm.model_path, prompt="The", max_tokens=500,
                                                       temperature=0, extra_body={"ignore_eos": True})
     assert (long.usage.completion_tokens, long.choices[0].finish_reason) == (500, "length")
