@@ -72,7 +72,9 @@ class BatchedEngine:
         self.config = config
         self.metrics = metrics
         self.max_length = max_length  # tokens one session may hold
-        self.vocab_size = int(model.config.vocab_size)
+        with torch.inference_mode():  # the LM head's real width (a checkpoint may pad it past config.vocab_size)
+            probe = torch.zeros(1, 1, int(model.config.hidden_size), dtype=model.dtype, device=model.device)
+            self.vocab_size = int(model.head.logits(probe).shape[-1])
         self._loop = get_loop()
         self._head = ThreadPoolExecutor(1, thread_name_prefix="corolla-api-head")
         self._active: dict[StreamHandle, _Active] = {}
