@@ -24,7 +24,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch

@@ -27,7 +27,7 @@ from corolla.api.generation import Job
 from corolla.api.prompts import PromptBuilder, PromptError
 from corolla.api.responses import ResponseFormat
 from corolla.api.sampling import SamplingParams
-from corolla.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextPart, _Sampling
+from corolla.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextPart, SharedFields
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class _Api:
                 field, "context_length_exceeded")
         return requested
 
-    def sampling(self, body: _Sampling, max_tokens: int, stops: list[str], logprobs: int | None) -> SamplingParams:
+    def sampling(self, body: SharedFields, max_tokens: int, stops: list[str], logprobs: int | None) -> SamplingParams:
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(body, name)
             return value if value is not None else self.defaults.get(name, fallback)
@@ -96,7 +96,7 @@ class _Api:
             stop_token_ids=self.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
         )
 
-    def check_counts(self, body: _Sampling, prompts: int) -> None:
+    def check_counts(self, body: SharedFields, prompts: int) -> None:
         if body.n > self.max_n:
             raise ApiError.bad_request(f"n must be at most {self.max_n}", "n")
         if body.n * prompts > self.max_choices:

@@ -63,7 +63,7 @@ class ResponseFormat:
     def chunk(self, index: int, text: str, logprobs: list[TokenLogprob], finish_reason: str | None,
               role: bool = False, include_usage: bool = False) -> dict[str, Any]:
         body = self._envelope(chunk=True)
-        lp = self._logprobs(index, logprobs, text) if self.wants_logprobs and (logprobs or not self.chat) else None
+        lp = self._logprobs(index, logprobs) if self.wants_logprobs and (logprobs or not self.chat) else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
@@ -84,7 +84,7 @@ class ResponseFormat:
         out = []
         for c in sorted(choices, key=lambda c: c.index):
             self._offsets.pop(c.index, None)
-            lp = self._logprobs(c.index, c.logprobs, c.text) if self.wants_logprobs else None
+            lp = self._logprobs(c.index, c.logprobs) if self.wants_logprobs else None
             if self.chat:
                 message = {"role": "assistant", "content": c.text, "refusal": None}
                 out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
@@ -95,7 +95,7 @@ class ResponseFormat:
         return body
 
     # ------------------------------------------------------------------ log-probabilities
-    def _logprobs(self, index: int, logprobs: list[TokenLogprob], text: str) -> dict[str, Any]:
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, Any]:
         if self.chat:
             return {"content": [self._chat_entry(lp) for lp in logprobs], "refusal": None}
         tokens = [self.prompts.token_text(lp.token_id) for lp in logprobs]

@@ -46,7 +46,7 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
-class _Sampling(_Body):
+class SharedFields(_Body):
     """The fields both endpoints share."""
 
     model: str
@@ -93,7 +93,7 @@ class _Sampling(_Body):
 PromptIds = Annotated[list[int], Field(min_length=1)]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SharedFields):
     prompt: str | PromptIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[PromptIds], Field(min_length=1)]
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
@@ -119,7 +119,7 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SharedFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
