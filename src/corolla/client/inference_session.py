@@ -19,7 +19,7 @@ import torch
 
 from corolla.client.config import ClientConfig
 from corolla.client.connection import Connection
-from corolla.client.event_loop import run_sync
+from corolla.client.event_loop import get_loop, run_sync
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
@@ -198,6 +198,33 @@ class InferenceSession:
         mask = self._full_mask(attention_mask, hidden.shape[1])
         hypo_ids = self._hypo_ids
         output = run_sync(self._step(hidden, mask, hypo_ids))
+        self._hypo_ids = None
+        self._position += hidden.shape[1]
+        self.attention_mask = mask
+        return output
+
+    async def step_async(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`step`, awaited on the client's event loop (client.event_loop.get_loop()) instead of blocking a thread.
+
+        Same arguments, checks, result and errors as `step`; many sessions may step concurrently on the loop, but
+        one session's steps must not overlap. Raises RuntimeError when awaited on another event loop.
+        """
+        if asyncio.get_running_loop() is not get_loop():
+            raise RuntimeError("step_async must be awaited on the client's event loop (client.event_loop.get_loop())")
+        if self.closed:
+            raise SessionExpired("this inference session is closed")
+        if hidden.ndim != 3 or hidden.shape[0] != self.batch_size:
+            raise ValueError(f"expected hidden states of shape ({self.batch_size}, T, hidden), got {tuple(hidden.shape)}")
+        if self._position + hidden.shape[1] > self.max_length:
+            raise ValueError(
+                f"the session's max_length={self.max_length} is too short: it holds {self._position} tokens "
+                f"and was given {hidden.shape[1]} more; open the session with a larger max_length"
+            )
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(f"attention_mask must have shape {tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}")
+        mask = self._full_mask(attention_mask, hidden.shape[1])
+        hypo_ids = self._hypo_ids
+        output = await self._step(hidden, mask, hypo_ids)
         self._hypo_ids = None
         self._position += hidden.shape[1]
         self.attention_mask = mask

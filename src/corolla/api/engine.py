@@ -1,0 +1,400 @@
+"""BatchedEngine: every active choice of every request, generated together on the client's event loop.
+
+Each choice has its own InferenceSession on the swarm (the servers batch the decode steps of all sessions). The
+client side is batched here, once per step over every stream whose last hidden state has come back: one LM-head
+matmul, one sampling pass (each row with its own settings and generator), one embedding lookup of the sampled
+tokens; then every stream's session steps concurrently. That CPU work runs in one head thread so the event loop
+keeps serving the P2P streams meanwhile.
+
+    HTTP loop (uvicorn)                     client loop (corolla-client-loop)          head thread
+    submit() ── call_soon_threadsafe ──>    _admit -> _prefill task (session, prompt)
+                                            _run: ready streams ────────────────────>  logits, sample, embed
+    StreamHandle.next() <── events ───────  post events; step each session (tasks) <──
+    cancel() ─── call_soon_threadsafe ──>   _cancel: close the session at once
+
+Before a head pass, the engine waits for the decode steps still in flight, but only until they are overdue
+(3x the usual step time after their launch): streams that drifted apart (a prefill that finished in between)
+fall back into one batch within a step, while one slow stream (failover) does not hold back the others.
+Prefills run beside the decode steps and join the next batch. Finished sessions are kept (sessions.IdleSessions) so a follow-up prompt sends only its new tokens; when a
+server is too full to open a session, kept sessions are given up first, oldest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from corolla.api.capacity import SwarmCapacity
+from corolla.api.config import ApiConfig
+from corolla.api.errors import EngineClosed
+from corolla.api.handle import StreamHandle
+from corolla.api.metrics import ApiMetrics
+from corolla.api.sampling import SamplingParams, make_generator, sample_rows
+from corolla.api.sessions import IdleSessions
+from corolla.api.stream import GenerationStream, StreamEvent
+from corolla.client.event_loop import get_loop, run_sync
+from corolla.client.inference_session import InferenceSession
+from corolla.protocol.errors import AllocationFailed
+
+logger = logging.getLogger(__name__)
+
+OVERDUE = 3.0  # a decode step is waited for until this many usual step times after its launch
+MIN_PATIENCE = 0.25  # seconds after its launch a decode step is always waited for (CPU contention delays some)
+MAX_GATHER_WAIT = 2.0  # seconds a head pass waits at most for decode steps in flight
+STEP_TIME_SMOOTHING = 0.2  # weight of a new sample in the usual decode step time
+
+
+@dataclass(eq=False)
+class _Active:
+    handle: StreamHandle
+    stream: GenerationStream
+    session: InferenceSession | None = None
+    hidden: torch.Tensor | None = None  # (H,) the last block's output at the last position: ready for the head
+    task: asyncio.Task[None] | None = None  # the prefill or decode step in flight
+    decoding: bool = False  # task is a decode step (prefills are not waited for)
+    launched: float = 0.0  # when the decode step in flight was launched (monotonic seconds)
+    done: bool = False
+
+
+class BatchedEngine:
+    """Generation for the API. `submit`, `cancel` and `close` may be called from any thread; the rest runs on the
+    client's event loop."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: ApiConfig, metrics: ApiMetrics, max_length: int):
+        self.model = model  # a DistributedModelForCausalLM: head.embed, head.logits, open_session
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics
+        self.max_length = max_length  # tokens one session may hold
+        with torch.inference_mode():  # the LM head's real width (a checkpoint may pad it past config.vocab_size)
+            probe = torch.zeros(1, 1, int(model.config.hidden_size), dtype=model.dtype, device=model.device)
+            self.vocab_size = int(model.head.logits(probe).shape[-1])
+        self._loop = get_loop()
+        self._head = ThreadPoolExecutor(1, thread_name_prefix="corolla-api-head")
+        self._active: dict[StreamHandle, _Active] = {}
+        self._waiting: list[_Active] = []
+        self._idle: IdleSessions[InferenceSession] = IdleSessions(config.max_idle_sessions, config.idle_timeout,
+                                                                  config.min_reuse_tokens)
+        self._background: set[asyncio.Task[None]] = set()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._step_time: float | None = None  # usual duration of a decode step (smoothed), seconds
+        self._capacity = SwarmCapacity(model.transformer.manager)
+        self._opening = 0  # cache tokens of the sessions being opened now (maybe not reserved on the servers yet)
+        self._closing = False
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        async def start() -> None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.create_task(self._run())
+            self._task.add_done_callback(_log_crash)
+
+        run_sync(start())
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, index: int = 0) -> StreamHandle:
+        """Start generating one choice; call from a running event loop (the handle's events are queued there).
+
+        `index` tells a request's choices apart (their seeded generators differ). Raises EngineClosed after close().
+        """
+        if self._closing:
+            raise EngineClosed("the API is shutting down")
+        handle = StreamHandle(self.cancel, asyncio.get_running_loop())
+        stream = GenerationStream(prompt_ids, params, self.tokenizer, self.vocab_size, make_generator(params.seed, index))
+        self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
+        self._loop.call_soon_threadsafe(self._admit, _Active(handle, stream))
+        return handle
+
+    def cancel(self, handle: StreamHandle) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._cancel, handle)
+        except RuntimeError:  # the client loop is gone (interpreter shutdown)
+            pass
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Fail every running choice and close every session, kept ones included."""
+        if not self._closing:
+            self._closing = True
+            run_sync(self._shutdown(), timeout=timeout)
+            self._head.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ client loop: admission and endings
+    def _admit(self, active: _Active) -> None:
+        if self._closing:
+            active.handle.post(StreamEvent(error=EngineClosed("the API is shutting down")))
+        elif len(self._active) >= self.config.max_streams:
+            self._waiting.append(active)
+        else:
+            self._active[active.handle] = active
+            self.metrics.active_streams.set(len(self._active))
+            active.task = self._loop.create_task(self._prefill(active))
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and len(self._active) < self.config.max_streams:
+            self._admit(self._waiting.pop(0))
+
+    def _remove(self, active: _Active) -> bool:
+        """Take the stream out of the engine; False if it was already out."""
+        if active.done:
+            return False
+        active.done = True
+        if self._active.pop(active.handle, None) is None and active in self._waiting:
+            self._waiting.remove(active)
+        self.metrics.active_streams.set(len(self._active))
+        self._admit_waiting()
+        return True
+
+    def _cancel(self, handle: StreamHandle) -> None:
+        active = self._active.get(handle) or next((a for a in self._waiting if a.handle is handle), None)
+        if active is None or not self._remove(active):
+            return
+        logger.debug("stream cancelled by the client; closing its session")
+        if active.task is not None and not active.task.done():
+            active.task.cancel()
+        self._close_later(active.session, None)
+        active.session = None
+
+    def _fail(self, active: _Active, error: BaseException) -> None:
+        if not self._remove(active):
+            return
+        logger.info("generation failed: %s", error)
+        active.handle.post(StreamEvent(error=error))
+        self._close_later(active.session, None)
+        active.session = None
+
+    def _finish(self, active: _Active) -> None:
+        """The choice is complete: keep its session for prefix reuse (or close it)."""
+        if not self._remove(active):
+            return
+        session, active.session = active.session, None
+        if session is None:
+            return
+        held = active.stream.all_ids[: session.position]  # the last sampled token was never sent
+        for dropped in self._idle.put(session, held, session.max_length, time.monotonic()):
+            self._close_later(dropped, "count" if dropped is not session else None)
+        self.metrics.idle_sessions.set(len(self._idle))
+
+    def _close_later(self, session: InferenceSession | None, reason: str | None) -> None:
+        if session is None:
+            return
+        if reason is not None:
+            self.metrics.idle_sessions_closed.labels(reason).inc()
+        task = self._loop.create_task(self._close(session))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _close(self, session: InferenceSession) -> None:
+        # InferenceSession.close waits on this very loop, so it runs in a worker thread
+        try:
+            await self._loop.run_in_executor(None, session.close)
+        except Exception as e:  # the servers time the session out instead
+            logger.debug("closing a session failed: %s", e)
+
+    # ------------------------------------------------------------------ client loop: sessions
+    async def _prefill(self, active: _Active) -> None:
+        stream = active.stream
+        prompt = stream.prompt_ids
+        needed = len(prompt) + stream.params.max_tokens
+        try:
+            kept = self._idle.take(prompt, needed, time.monotonic())
+            self.metrics.idle_sessions.set(len(self._idle))
+            if kept is not None:
+                session, reused = kept
+                active.session = session
+                session.rollback(reused)
+                stream.cached_tokens = reused
+                self.metrics.prefix_reuse_hits.inc()
+                self.metrics.reused_tokens.inc(reused)
+                logger.debug("continuing a kept session: %d of %d prompt tokens reused", reused, len(prompt))
+                output = await self._feed(session, prompt[reused:])
+            else:
+                output = await self._open(active, prompt, needed)
+            active.hidden = output[0, -1]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail(active, e)
+        finally:
+            if self._wake is not None:
+                self._wake.set()
+
+    async def _open(self, active: _Active, prompt: list[int], needed: int) -> torch.Tensor:
+        """Open a session for `needed` tokens and prefill the prompt; returns the prefill's output (1, T, H).
+
+        The servers' free cache is read live first. The session gets headroom for a follow-up turn only if every
+        block has room for it besides the sessions other requests are opening now; while some block has no room
+        even for `needed` tokens, kept sessions are given up, oldest first. If the servers still refuse the
+        session (requests opened at the same time took the room), every kept session is given up and it is tried
+        once more.
+        """
+        roomy = min(self.max_length, needed + self.config.session_headroom)
+        length = needed
+        if roomy > needed or len(self._idle):
+            free = await self._capacity.free_cache()
+            if self._capacity.fits(free, roomy + self._opening):
+                length = roomy
+            else:
+                while not self._capacity.fits(free, needed) and await self._give_up_oldest():
+                    free = await self._capacity.free_cache()
+        self._opening += length
+        try:
+            session = active.session = self.model.open_session(length)
+            try:
+                return await self._feed(session, prompt)
+            except AllocationFailed:
+                if not len(self._idle):
+                    raise
+            active.session = None
+            self._close_later(session, None)
+            while await self._give_up_oldest():
+                pass
+            session = active.session = self.model.open_session(needed)
+            return await self._feed(session, prompt)
+        finally:
+            self._opening -= length
+
+    async def _give_up_oldest(self) -> bool:
+        """Close the oldest kept session (a server is full); False if none is kept."""
+        victim = self._idle.pop_oldest()
+        if victim is None:
+            return False
+        logger.debug("a server is full: giving up a kept session")
+        self.metrics.idle_sessions_closed.labels("server_full").inc()
+        self.metrics.idle_sessions.set(len(self._idle))
+        await self._close(victim)
+        return True
+
+    async def _feed(self, session: InferenceSession, ids: Sequence[int]) -> torch.Tensor:
+        """Send tokens through the session; returns the last block's output (1, T, H)."""
+        embeds = await self._loop.run_in_executor(self._head, self._embed, list(ids))
+        output = await session.step_async(embeds)
+        self.metrics.tokens_sent.inc(len(ids))
+        return output
+
+    async def _decode(self, active: _Active, embed: torch.Tensor) -> None:
+        try:
+            assert active.session is not None
+            output = await active.session.step_async(embed)  # (1, 1, H)
+            took = time.monotonic() - active.launched
+            self._step_time = took if self._step_time is None else (
+                (1 - STEP_TIME_SMOOTHING) * self._step_time + STEP_TIME_SMOOTHING * took)
+            self.metrics.tokens_sent.inc(1)
+            active.hidden = output[0, -1]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail(active, e)
+        finally:
+            if self._wake is not None:
+                self._wake.set()
+
+    # ------------------------------------------------------------------ client loop: the step
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            if not any(a.hidden is not None for a in self._active.values()):
+                self._wake.clear()
+                await self._sleep()
+                self._expire_idle()
+                continue
+            await self._gather()
+            ready = [a for a in self._active.values() if a.hidden is not None]
+            if not ready:  # cancelled meanwhile
+                continue
+            hidden = torch.stack([a.hidden for a in ready])  # (R, H)
+            for a in ready:
+                a.hidden, a.task = None, None
+            try:
+                results = await self._loop.run_in_executor(self._head, self._head_pass, ready, hidden)
+            except Exception as e:  # a bug in the head pass fails these streams, not the engine
+                logger.exception("head pass failed")
+                for a in ready:
+                    self._fail(a, e)
+                continue
+            launched = time.monotonic()
+            for a, (event, embed) in zip(ready, results):
+                if a.done:  # cancelled during the head pass
+                    continue
+                a.handle.post(event)
+                if event.finish_reason is not None:
+                    self._finish(a)
+                else:
+                    a.decoding, a.launched = True, launched
+                    a.task = self._loop.create_task(self._decode(a, embed))
+
+    async def _sleep(self) -> None:
+        assert self._wake is not None
+        expiry = self._idle.next_expiry()
+        timeout = None if expiry is None else max(0.0, expiry - time.monotonic()) + 0.01
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _gather(self) -> None:
+        """Wait for the decode steps in flight that are not overdue, so they join this head pass."""
+        if self._step_time is None:
+            return
+        now = time.monotonic()
+        patience = max(OVERDUE * self._step_time, MIN_PATIENCE)
+        pending = {a.task: a.launched for a in self._active.values()
+                   if a.decoding and a.task is not None and not a.task.done() and now - a.launched < patience}
+        if pending:
+            deadline = max(pending.values()) + patience
+            await asyncio.wait(pending, timeout=min(max(deadline - now, 0.0), MAX_GATHER_WAIT))
+
+    def _expire_idle(self) -> None:
+        for session in self._idle.expired(time.monotonic()):
+            self._close_later(session, "expired")
+        self.metrics.idle_sessions.set(len(self._idle))
+
+    # ------------------------------------------------------------------ head thread
+    @torch.inference_mode()
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        return self.model.head.embed(torch.tensor([ids], dtype=torch.long, device=self.model.device))  # (1, T, H)
+
+    @torch.inference_mode()
+    def _head_pass(self, ready: list[_Active], hidden: torch.Tensor) -> list[tuple[StreamEvent, torch.Tensor | None]]:
+        """Logits, sampling and text for every ready stream, and the embeddings of the tokens they continue with."""
+        logits = self.model.head.logits(hidden[:, None, :])[:, 0]  # (R, V)
+        sampled = sample_rows(logits, [a.stream.row for a in ready])
+        events = [a.stream.accept(s) for a, s in zip(ready, sampled)]
+        self.metrics.record_step(len(ready))
+        going = [i for i, event in enumerate(events) if event.finish_reason is None]
+        embeds: list[torch.Tensor | None] = [None] * len(ready)
+        if going:
+            tokens = torch.tensor([[sampled[i].token] for i in going], dtype=torch.long, device=self.model.device)
+            rows = self.model.head.embed(tokens)  # (R', 1, H): one lookup for every continuing stream
+            for j, i in enumerate(going):
+                embeds[i] = rows[j : j + 1]
+        return list(zip(events, embeds))
+
+    # ------------------------------------------------------------------ shutdown
+    async def _shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        streams = [*self._active.values(), *self._waiting]
+        for active in streams:
+            if active.task is not None:
+                active.task.cancel()
+            active.handle.post(StreamEvent(error=EngineClosed("the API is shutting down")))
+        sessions = [a.session for a in streams if a.session is not None] + self._idle.drain()
+        self._active.clear()
+        self._waiting.clear()
+        self.metrics.idle_sessions_closed.labels("shutdown").inc(len(sessions))
+        await asyncio.gather(*(self._close(s) for s in sessions), *self._background, return_exceptions=True)
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("the API engine stopped: %r", task.exception(), exc_info=task.exception())

@@ -1,0 +1,130 @@
+"""`corolla api MODEL --initial-peers ADDR`: an OpenAI-compatible HTTP server in front of the swarm."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+
+from corolla.api.config import ApiConfig
+from corolla.cli.dataclass_args import add_dataclass_arguments, dataclass_from_args
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_LENGTH = 8192  # tokens per request when the model does not say (and the cap on what it says)
+SHUTDOWN_GRACE = 5.0  # seconds open HTTP streams get to finish on Ctrl+C / SIGTERM
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "api", help="serve an OpenAI-compatible HTTP API in front of the swarm",
+        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streamed with stream: true) for a "
+                    "model whose blocks run in the swarm; logs the base URL (http://HOST:PORT/v1) once it accepts "
+                    "requests. Also /health and Prometheus /metrics.",
+    )
+    add_dataclass_arguments(p, ApiConfig)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = dataclass_from_args(ApiConfig, args)
+    if not config.initial_peers:
+        raise ValueError("--initial-peers is required: the multiaddr of a DHT peer of the swarm (see `corolla dht`)")
+    import torch
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from corolla import AutoDistributedModelForCausalLM
+    from corolla.api.app import build_app
+    from corolla.api.engine import BatchedEngine
+    from corolla.api.metrics import ApiMetrics
+    from corolla.client.config import ClientConfig
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    sock = _bind(config.host, config.port)  # first, so a taken port fails before the model loads
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    client_config = ClientConfig(initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
+                                 request_timeout=config.request_timeout, alloc_timeout=config.alloc_timeout)
+    model = AutoDistributedModelForCausalLM.from_pretrained(config.model, client_config=client_config,
+                                                            torch_dtype=getattr(torch, config.dtype))
+    engine = None
+    try:
+        max_length = config.max_length or _default_max_length(model)
+        engine = BatchedEngine(model, tokenizer, config, ApiMetrics(), max_length)
+        engine.start()
+        app = build_app(engine, config)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                               timeout_graceful_shutdown=SHUTDOWN_GRACE))
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+        async def serve() -> None:
+            task = asyncio.create_task(server.serve(sockets=[sock]))
+            while not server.started and not task.done():
+                await asyncio.sleep(0.02)
+            if server.started:
+                logger.info("OpenAI-compatible API for %s at %s (max %d tokens per request)",
+                            config.model_name or config.model, url, max_length)
+            await task
+
+        _interrupt_on(signal.SIGINT, signal.SIGTERM)
+        try:
+            asyncio.run(serve())
+        except KeyboardInterrupt:  # uvicorn stopped gracefully, then re-raised the signal it caught
+            pass
+        logger.info("stopped")
+    finally:
+        if engine is not None:
+            engine.close()
+        model.shutdown()
+        sock.close()
+    return 0
+
+
+def _default_max_length(model) -> int:
+    """The model's max_position_embeddings (at most DEFAULT_MAX_LENGTH), and no more than the servers now in the
+    swarm accept for a session (per block the most any of its servers accepts, then the least over blocks)."""
+    from corolla.client.event_loop import run_sync
+    from corolla.protocol.messages import ServerState
+
+    positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
+    limit = min(int(positions), DEFAULT_MAX_LENGTH)
+    manager = model.transformer.manager
+    try:
+        run_sync(manager.update(force=True), timeout=30)
+    except Exception as e:  # the swarm is unreachable now: requests will say so
+        logger.warning("could not read the swarm's session limits: %s", e)
+        return limit
+    per_block = [max((info.max_session_length for info in servers.values() if info.state == ServerState.ONLINE),
+                     default=limit) for servers in manager.block_servers]
+    return min([limit, *per_block])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: the OS picks one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _interrupt_on(*signals: int) -> None:
+    """Make these signals raise KeyboardInterrupt. uvicorn catches them to shut down gracefully, then raises them
+    again with the previous handler: the default SIGTERM action would kill the process before its sessions and
+    DHT node (p2pd) are closed."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in signals:
+        signal.signal(sig, interrupt)

@@ -1,0 +1,34 @@
+"""`corolla api` on the command line: its flags (generated from ApiConfig) and its errors before any network."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from corolla.api.config import ApiConfig
+from corolla.cli.main import build_parser
+
+
+def test_api_flags_match_the_design_contract_and_default_from_the_config():
+    args = build_parser().parse_args(["api", "some/model", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/X"])
+    assert (args.model, args.initial_peers) == ("some/model", ["/ip4/127.0.0.1/tcp/1/p2p/X"])
+    assert not hasattr(args, "port")  # unset flags keep ApiConfig's defaults
+    assert (ApiConfig.host, ApiConfig.port, ApiConfig.model_name) == ("127.0.0.1", 8000, None)
+    args = build_parser().parse_args(["api", "m", "--initial-peers", "p", "--host", "0.0.0.0", "--port", "0",
+                                      "--model-name", "mine"])
+    assert (args.host, args.port, args.model_name) == ("0.0.0.0", 0, "mine")
+
+
+def test_api_without_initial_peers_is_a_clear_error():
+    run = subprocess.run([sys.executable, "-m", "corolla.cli.main", "api", "some/model"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "--initial-peers is required" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_api_help():
+    run = subprocess.run([sys.executable, "-m", "corolla.cli.main", "api", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0
+    for flag in ("--initial-peers", "--host", "--port", "--model-name", "--max-idle-sessions"):
+        assert flag in run.stdout
