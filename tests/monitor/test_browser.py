@@ -3,38 +3,29 @@
 A 3-server swarm covers a 6-block model; the page shows it healthy. Killing the server of blocks 2:4 (no replica)
 turns the coverage bar's blocks 2 and 3 red and the page says "missing blocks 2:4" within the servers' announce
 period, long before its DHT record expires; `corolla status` agrees. A chat message typed into the page streams
-back from an OpenAI-compatible endpoint, text appearing while the response is still open. Screenshots of each
-state go to bench/results/.
+back from `corolla api`, which serves the same page: text appears while the response is still open. Screenshots of
+each state go to bench/results/.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import uvicorn
-from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
-from fastapi.responses import StreamingResponse
 
-from conftest import SERVER_ARGS, make_llama_checkpoint
+from api.api_harness import ApiProcess
+from conftest import SERVER_ARGS
 from corolla import AutoDistributedModelForCausalLM
+from corolla.cli.demo_cmd import demo_model_path
 from corolla.cli.local_swarm import LocalSwarm
-from corolla.client.event_loop import get_loop, run_sync
-from corolla.dht import create_swarm_node
-from corolla.monitor.app import add_monitor_routes
-from corolla.monitor.config import MonitorConfig
-from corolla.monitor.source import SwarmMonitor
-from monitor_helpers import SIX_BLOCKS, peer_id_from_log, running_monitor, wait_for
+from monitor_helpers import peer_id_from_log, running_monitor, wait_for
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 ANNOUNCE_PERIOD = 15.0  # seconds between the servers' announces; their records live 90 s
@@ -42,7 +33,6 @@ CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
     "--disable-sync", "--no-first-run", "--disable-dev-shm-usage", "--window-size=1200,1000",
 ]
-FIRST_CHUNK, REST = "Hello", " from the swarm"
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +72,10 @@ def screenshot(driver, name: str) -> None:
 
 
 def test_the_page_shows_coverage_live_and_streams_a_chat_reply(browser, tmp_path_factory):
-    path = str(make_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny6", initializer_range=0.2, **SIX_BLOCKS))
+    path = str(demo_model_path())  # six blocks and a tokenizer (corolla api needs one)
+    env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
     log_path = tmp_path_factory.mktemp("logs") / "browser-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
+    with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
         peers = local.start_dht()
         procs = {blocks: local.start_server(path, ["--blocks", blocks, *SERVER_ARGS, "--announce-period", str(ANNOUNCE_PERIOD)],
                                             name=f"browser-{blocks}", wait=False) for blocks in ("0:2", "2:4", "4:6")}
@@ -98,10 +89,15 @@ def test_the_page_shows_coverage_live_and_streams_a_chat_reply(browser, tmp_path
             wait_for(lambda: health() == ("healthy", [1] * 6), 60, describe=health)
             rows = browser.execute_script("return [...document.querySelectorAll('tr[data-peer-id]')].map(r => r.dataset.peerId);")
             assert sorted(rows) == sorted(peer_ids.values())
+            assert browser.execute_script("return document.getElementById('chat').hidden") is True  # no API here
             generate_a_little(path, peers)  # some traffic, so the tokens/s chart has something to draw
             time.sleep(2.5)
             screenshot(browser, "monitor_covered.png")
 
+            chat_through_the_api_page(browser, path, peers, env)
+
+            browser.get(monitor.url)
+            wait_for(lambda: health() == ("healthy", [1] * 6), 60, describe=health)
             local.kill(procs["2:4"], signal.SIGKILL)  # blocks 2:4 have no replica
             killed = time.monotonic()
             wait_for(lambda: health()[0] == "missing blocks 2:4", 60, 0.1, health)
@@ -120,21 +116,35 @@ def test_the_page_shows_coverage_live_and_streams_a_chat_reply(browser, tmp_path
         assert model["missing_ranges"] == ["2:4"]
         assert {s["peer_id"]: s["state"] for s in model["servers"]}[peer_ids["2:4"]] == "unreachable"
 
-        with ChatPage(peers) as chat:
-            browser.get(chat.url)
-            wait_for(lambda: page_text(browser, "[data-testid=health]") == "missing blocks 2:4", 60)
-            assert browser.execute_script("return document.getElementById('chat').hidden") is False
-            browser.find_element("id", "chat-input").send_keys("How is the swarm?")
-            browser.find_element("id", "chat-send").click()
-            # the first chunk shows while the response is still open: the page renders the stream as it comes
-            chat_log = lambda: browser.execute_script("return document.getElementById('chat-log').innerHTML")  # noqa: E731
-            wait_for(lambda: page_text(browser, "#chat-log .msg.assistant .reply") == FIRST_CHUNK, 30, 0.05, chat_log)
-            chat.release_rest.set()
-            wait_for(lambda: page_text(browser, "#chat-log .msg.assistant .reply") == FIRST_CHUNK + REST, 30, 0.25, chat_log)
-            screenshot(browser, "monitor_chat.png")
-            [request] = chat.requests
-            assert request["stream"] is True and request["model"] == "tiny6"
-            assert request["messages"] == [{"role": "user", "content": "How is the swarm?"}]
+
+def chat_through_the_api_page(browser, path: str, peers: list[str], env: dict[str, str]) -> None:
+    """`corolla api` serves the same page with a chat box: a message typed into it streams back from the API's
+    /v1/chat/completions, the reply growing on the page while the response is still open."""
+    api = ApiProcess(path, peers, [], env)
+    try:
+        browser.get(api.root + "/")
+        wait_for(lambda: page_text(browser, "[data-testid=health]") == "healthy", 60)
+        assert browser.execute_script("return document.getElementById('chat').hidden") is False
+        browser.find_element("id", "chat-input").send_keys("How is the swarm?")
+        browser.find_element("id", "chat-send").click()
+        seen: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            busy = browser.execute_script("return document.getElementById('chat-send').disabled")
+            text = page_text(browser, "#chat-log .msg.assistant .reply") or ""
+            if text and (not seen or seen[-1] != text):
+                seen.append(text)
+            if not busy and seen:
+                break
+            time.sleep(0.02)
+        chat_log = browser.execute_script("return document.getElementById('chat-log').innerHTML")
+        assert page_text(browser, "#chat-log .msg.error") is None, chat_log
+        assert seen and seen[-1].strip(), f"no reply: {chat_log}"
+        assert len(seen) >= 2 and all(seen[-1].startswith(t) for t in seen), f"the reply did not grow as it streamed: {seen}"
+        assert page_text(browser, "#chat-model") == path  # the page asked the API which model it serves
+        screenshot(browser, "monitor_chat.png")
+    finally:
+        api.close()
 
 
 def generate_a_little(path: str, peers: list[str]) -> None:
@@ -144,93 +154,3 @@ def generate_a_little(path: str, peers: list[str]) -> None:
             model.generate(torch.tensor([[1, 17, 42, 99]]), max_new_tokens=24, session=session)
     finally:
         model.shutdown()
-
-
-class ChatPage:
-    """The monitor routes mounted with a chat box, as `corolla api` will serve them, in this process: the monitor
-    refreshes on the client's shared event loop (where an API's model lives) while uvicorn serves from a loop of its
-    own thread. The chat endpoint is a small OpenAI-style server-sent-event stream that holds its second chunk back
-    until `release_rest` is set."""
-
-    def __init__(self, initial_peers: list[str]):
-        self.initial_peers = initial_peers
-        self.url = ""
-        self.requests: list[dict] = []
-        self.release_rest = threading.Event()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._serve, name="chat-page", daemon=True)
-        self._node = None
-        self._refresher = None
-
-    def __enter__(self) -> ChatPage:
-        self._node = run_sync(create_swarm_node(self.initial_peers, client_mode=True))
-        self.monitor = SwarmMonitor(self._node, MonitorConfig(initial_peers=tuple(self.initial_peers), refresh_period=1.0))
-        run_sync(self.monitor.refresh())
-        self._refresher = asyncio.run_coroutine_threadsafe(self.monitor.run(), get_loop())
-        self._thread.start()
-        if not self._ready.wait(120) or self._error is not None:
-            self.__exit__()
-            raise AssertionError(f"chat page did not start: {self._error!r}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release_rest.set()
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread.is_alive():
-            self._thread.join(60)
-        if self._refresher is not None:
-            self._refresher.cancel()
-        if self._node is not None:
-            run_sync(self._node.shutdown(), timeout=30)
-
-    def _serve(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as e:  # reported to the test thread
-            self._error = e
-            self._ready.set()
-
-    async def _main(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        app = FastAPI()
-
-        @app.get("/v1/models")
-        async def models() -> dict:
-            return {"object": "list", "data": [{"id": "tiny6", "object": "model", "owned_by": "corolla"}]}
-
-        @app.post("/v1/chat/completions")
-        async def completions(request: Request) -> StreamingResponse:
-            self.requests.append(await request.json())
-
-            async def events():
-                yield _event({"role": "assistant"})
-                yield _event({"content": FIRST_CHUNK})
-                await asyncio.to_thread(self.release_rest.wait, 60)
-                yield _event({"content": REST})
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        add_monitor_routes(app, self.monitor, chat_url="/v1/chat/completions")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            sock.listen(16)
-            server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off"))
-            serving = asyncio.create_task(server.serve(sockets=[sock]))
-            while not server.started:
-                await asyncio.sleep(0.02)
-            self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
-            self._ready.set()
-            await self._stop.wait()
-            server.should_exit = True
-            await serving
-
-
-def _event(delta: dict) -> str:
-    chunk = {"id": "chatcmpl-test", "object": "chat.completion.chunk", "model": "tiny6",
-             "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
-    return f"data: {json.dumps(chunk)}\n\n"

@@ -50,12 +50,13 @@ def run(args: argparse.Namespace) -> int:
                                  request_timeout=config.request_timeout, alloc_timeout=config.alloc_timeout)
     model = AutoDistributedModelForCausalLM.from_pretrained(config.model, client_config=client_config,
                                                             torch_dtype=getattr(torch, config.dtype))
-    engine = None
+    engine = monitor = None
     try:
         max_length = config.max_length or _default_max_length(model)
         engine = BatchedEngine(model, tokenizer, config, ApiMetrics(), max_length)
         engine.start()
         app = build_app(engine, config)
+        monitor = _start_monitor(app, model, engine)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE))
         host, port = sock.getsockname()[:2]
@@ -77,11 +78,33 @@ def run(args: argparse.Namespace) -> int:
             pass
         logger.info("stopped")
     finally:
+        if monitor is not None:
+            monitor.cancel()
         if engine is not None:
             engine.close()
         model.shutdown()
         sock.close()
     return 0
+
+
+def _start_monitor(app, model, engine):
+    """Serve the swarm monitor's page (/, with a chat box streaming from this API) and its JSON (/api/v1/state)
+    from the API's app, its gauges in the API's /metrics. The monitor refreshes on the client's event loop, through
+    the model's own DHT node; returns that refresh task's future (cancel it on shutdown)."""
+    from corolla.client.event_loop import get_loop, run_sync
+    from corolla.monitor.app import add_monitor_routes
+    from corolla.monitor.config import MonitorConfig
+    from corolla.monitor.prometheus import SwarmCollector
+    from corolla.monitor.source import SwarmMonitor
+
+    monitor = SwarmMonitor(model.transformer.manager.node, MonitorConfig())
+    try:
+        run_sync(monitor.refresh(), timeout=30)  # the first page view then has data
+    except Exception as e:  # the swarm may be unreachable now; the monitor retries every refresh period
+        logger.warning("first swarm refresh for the monitor page failed: %r", e)
+    add_monitor_routes(app, monitor, chat_url="/v1/chat/completions", metrics=False)
+    engine.metrics.registry.register(SwarmCollector(monitor))
+    return asyncio.run_coroutine_threadsafe(monitor.run(), get_loop())
 
 
 def _default_max_length(model) -> int:
