@@ -77,12 +77,13 @@ def test_armed_stall_answers_a_timeout_after_the_stall():
     assert error.value.code == ErrorCode.TIMEOUT and time.perf_counter() - begin >= 0.2
 
 
-def test_armed_corrupt_scales_step_and_forward_outputs_and_leaves_backward_alone():
+def test_armed_corrupt_scales_half_the_features_of_step_and_forward_outputs_and_leaves_backward_alone():
     inner = FakeCompute()
     faults = FaultInjector(inner, "corrupt", stall_seconds=5.0)
     faults.arm()
-    assert torch.equal(run(faults.step(None, STEP, PLAN)), torch.full((1, 1, 4), 2.0) * CORRUPT_SCALE)
-    assert torch.equal(run(faults.forward(torch.zeros(1, 3, 4), 0, 1, None, None, None)), torch.full((1, 3, 4), 3.0) * CORRUPT_SCALE)
+    scale = torch.tensor([CORRUPT_SCALE, CORRUPT_SCALE, 1.0, 1.0])
+    assert torch.equal(run(faults.step(None, STEP, PLAN)), torch.full((1, 1, 4), 2.0) * scale)
+    assert torch.equal(run(faults.forward(torch.zeros(1, 3, 4), 0, 1, None, None, None)), torch.full((1, 3, 4), 3.0) * scale)
     grad, _ = run(faults.backward(torch.zeros(1, 3, 4), torch.zeros(1, 3, 4), 0, 1, None, None, None))
     assert torch.equal(grad, torch.full((1, 3, 4), 4.0)) and CORRUPT_SCALE == 1.01
     assert inner.calls == ["step", "forward", "backward"]

@@ -1,6 +1,7 @@
 """The server's stream handlers in process: real tiny Llama blocks, a real compute thread, in-memory streams
 instead of P2P ones. A session's steps (merged, decoded, rolled back) equal the blocks' own; errors reach the
-client and free the cache; an armed `corrupt` fault changes outputs by exactly 1.01; a v1 peer gets a v1 error."""
+client and free the cache; an armed `corrupt` fault scales half the output features by exactly 1.01; a v1 peer
+gets a v1 error."""
 
 from __future__ import annotations
 
@@ -180,9 +181,11 @@ def test_armed_corrupt_fault_scales_outputs_from_then_on(stack):
     (prefill, forward_before), (decoded, forward_after) = serve(stack, scenario, inject_fault="corrupt")
     cache = stack.allocate_cache(1, 16, 0, 3)
     torch.testing.assert_close(prefill, stack.inference_step(prompt, cache, 0), rtol=0, atol=1e-6)
-    torch.testing.assert_close(decoded, stack.inference_step(token, cache, 4) * CORRUPT_SCALE, rtol=0, atol=1e-6)
+    scale = torch.ones(HIDDEN)
+    scale[: HIDDEN // 2] = CORRUPT_SCALE
+    torch.testing.assert_close(decoded, stack.inference_step(token, cache, 4) * scale, rtol=0, atol=1e-6)
     torch.testing.assert_close(forward_before, stack.forward(rows, 0, 3), rtol=0, atol=1e-6)
-    torch.testing.assert_close(forward_after, forward_before * CORRUPT_SCALE, rtol=0, atol=1e-6)
+    torch.testing.assert_close(forward_after, forward_before * scale, rtol=0, atol=1e-6)
 
 
 def test_a_v1_request_on_a_v1_handler_name_gets_a_v1_error_naming_both_versions():

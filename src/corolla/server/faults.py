@@ -7,8 +7,13 @@ wrapper at all, and until SIGUSR1 arms it the wrapper passes every call through.
 - drop:    every inference step ends its stream without an answer (`Hangup`);
 - stall:   every inference step gets no answer for `stall_seconds` (the server's step timeout), then a `timeout`;
 - corrupt: every output goes back subtly wrong: inference steps and forward passes answer the span's last block
-           output scaled by CORRUPT_SCALE (1.01). The stream, the cache and the timing stay as they were, so only
-           checking the numbers (spot checks against another server) can tell. Backward passes are left alone.
+           output with its first half of hidden features scaled by CORRUPT_SCALE (1.01). The stream, the cache and
+           the timing stay as they were, so only checking the numbers (spot checks against another server) can
+           tell. Backward passes are left alone.
+
+Why not scale the whole output: every block and the final norm normalise their input (RMSNorm, LayerNorm), so a
+uniform 1% scale of the model's last hidden states changes no logit, and in the middle of the model it changes
+only the residual's weight. Scaling half the features turns the vector, which no normalisation undoes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ logger = logging.getLogger(__name__)
 
 FAULT_MODES = ("fail", "drop", "stall", "corrupt")
 CORRUPT_SCALE = 1.01
+
+
+def corrupted(output: Tensor) -> Tensor:
+    """output (B, T, H) with features [0, H // 2) scaled by CORRUPT_SCALE, out of place."""
+    out = output.clone()
+    out[..., : output.shape[-1] // 2] *= CORRUPT_SCALE
+    return out
 
 
 class Hangup(Exception):
@@ -60,14 +72,14 @@ class FaultInjector:
         if self.mode == "stall":
             await asyncio.sleep(self.stall_seconds)
             raise RequestError(ErrorCode.TIMEOUT, "injected stall")
-        return await self.inner.step(session, step, plan) * CORRUPT_SCALE
+        return corrupted(await self.inner.step(session, step, plan))
 
     async def forward(self, hidden: Tensor, start: int, end: int, adapter: str | None, prompts: Tensor | None,
                       mask: Tensor | None) -> Tensor:
         output = await self.inner.forward(hidden, start, end, adapter, prompts, mask)
         if self.armed and self.mode == "corrupt":
             logger.warning("injecting fault 'corrupt' into a forward pass")
-            return output * CORRUPT_SCALE
+            return corrupted(output)
         return output
 
     async def backward(self, hidden: Tensor, grad_output: Tensor, start: int, end: int, adapter: str | None,
