@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import closing
 from typing import TypeVar
 
@@ -53,7 +53,7 @@ from corolla.server.config import ServerConfig
 from corolla.server.faults import FaultInjector, Hangup
 from corolla.server.planner import PlanLimits, plan
 from corolla.server.scheduling import Compute, Scheduler
-from corolla.server.sessions import SessionTable
+from corolla.server.sessions import ServerSession, SessionTable
 from corolla.server.validation import RequestChecks, RequestError
 
 logger = logging.getLogger(__name__)
@@ -166,12 +166,19 @@ class ConnectionHandler:
                     return
                 if not isinstance(message, InferenceStep):
                     raise RequestError(ErrorCode.BAD_REQUEST, f"expected an inference step, got {message.kind}")
-                step = self.checks.step(message, tensors, batch_size=session.batch_size, held=session.position,
-                                        max_length=session.max_length, num_blocks=session.num_blocks)
-                output = await self.compute.step(session, step, plan(step, session, self.limits))
-                session.advance(step)
-                result = StepResult(step_id=step.step_id, position=session.position)
-                await write_frame(writer, result, {"hidden": output.to(step.hidden.dtype)})
+                result, output = await self.run_step(session, message, tensors)
+                await write_frame(writer, result, {"hidden": output})
+
+    async def run_step(self, session: ServerSession, message: InferenceStep, tensors: Mapping[str, torch.Tensor]
+                       ) -> tuple[StepResult, torch.Tensor]:
+        """Check, plan and run one inference step of `session`, wherever it came from; returns the answer and the
+        blocks' output (B, T, H) in the dtype it was sent in. A step from an earlier position rolls the session
+        back first. Raises RequestError for a step this session cannot take."""
+        step = self.checks.step(message, tensors, batch_size=session.batch_size, held=session.position,
+                                max_length=session.max_length, num_blocks=session.num_blocks)
+        output = await self.compute.step(session, step, plan(step, session, self.limits))
+        session.advance(step)
+        return StepResult(step_id=step.step_id, position=session.position), output.to(step.hidden.dtype)
 
 
 async def _read_first(reader: asyncio.StreamReader, kind: type[_M], max_bytes: int = MAX_FRAME_BYTES
