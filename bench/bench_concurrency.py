@@ -84,16 +84,16 @@ def engine_batching(path: Path, counts: list[int], repeats: int = 5) -> list[dic
     for count in counts:
         caches = [stack.allocate_cache(1, 64, 0, half) for _ in range(count)]
         for cache in caches:
-            stack.inference_step(torch.randn(1, 16, config.hidden_size), cache, 0, 0, half)
+            stack.inference_step(torch.randn(1, 16, config.hidden_size), cache, 0)
         steps = [torch.randn(1, 1, config.hidden_size) for _ in range(count)]
         alone, batched = [], []
         for r in range(repeats):
             begin = time.perf_counter()
             for x, cache in zip(steps, caches):
-                stack.inference_step(x, cache, 16 + r, 0, half)
+                stack.inference_step(x, cache, 16 + r)
             alone.append(time.perf_counter() - begin)
             begin = time.perf_counter()
-            stack.decode_batch([(x, cache, 16 + r, 0, half) for x, cache in zip(steps, caches)])
+            stack.decode_batch([(x, cache, 16 + r) for x, cache in zip(steps, caches)])
             batched.append(time.perf_counter() - begin)
         results.append({"sessions": count, "blocks": half, "one_by_one_ms": round(statistics.median(alone) * 1e3, 1),
                         "batched_ms": round(statistics.median(batched) * 1e3, 1)})

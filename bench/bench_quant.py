@@ -64,11 +64,11 @@ def time_generation(stack: BlockStack, prompt_tokens: int, new_tokens: int, repe
     def run_once() -> tuple[float, float]:
         cache = stack.allocate_cache(1, prompt_tokens + new_tokens, 0, n)
         begin = time.perf_counter()
-        stack.inference_step(prompt, cache, 0, 0, n)
+        stack.inference_step(prompt, cache, 0)
         prefill = time.perf_counter() - begin
         begin = time.perf_counter()
         for i in range(new_tokens):
-            stack.inference_step(steps[i], cache, prompt_tokens + i, 0, n)
+            stack.inference_step(steps[i], cache, prompt_tokens + i)
         return prefill, (time.perf_counter() - begin) / new_tokens
 
     run_once()  # warm-up (bitsandbytes sets up its state on the first forward)

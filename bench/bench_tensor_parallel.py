@@ -2,7 +2,7 @@
 
 Engine only (no network, no client): the blocks of a Qwen3-0.6B-shaped model (hidden 1024, 16 heads / 8 KV heads,
 head_dim 128, FFN 3072; random weights, float32, built in memory) run as a `BlockStack` and as
-`TensorParallelStack`s over `--devices` (default "cpu" repeated: every shard on the same CPU, the correctness path).
+`tensor_parallel_stack`s over `--devices` (default "cpu" repeated: every shard on the same CPU, the correctness path).
 Per configuration: a `--prompt-tokens` prefill, then `--new-tokens` single-token cached steps; reports the median
 decode ms/token and prefill time over `--repeats` interleaved runs, and the largest difference of any step's output from the unsharded stack's.
 
@@ -24,7 +24,7 @@ from transformers import Qwen3Config
 
 from corolla.models import get_family
 from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.tensor_parallel import TensorParallelStack, build_tensor_parallel_block
+from corolla.server.tensor_parallel import build_tensor_parallel_block, tensor_parallel_stack
 
 SHAPE = dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
              rms_norm_eps=1e-6, vocab_size=32000, max_position_embeddings=4096)
@@ -37,13 +37,12 @@ def sync(devices: list[torch.device]) -> None:
 
 def run(stack: BlockStack, devices: list[torch.device], inputs: list[torch.Tensor]) -> tuple[float, list[float], list[torch.Tensor]]:
     """Prefill inputs[0], then one cached step per later input; (prefill s, decode step times s, outputs on cpu)."""
-    n = stack.end - stack.start
     cache = stack.allocate_cache(1, sum(x.shape[1] for x in inputs), stack.start, stack.end)
     outputs, times, position = [], [], 0
     for x in inputs:
         sync(devices)
         begin = time.perf_counter()
-        out = stack.inference_step(x, cache, position, stack.start, stack.start + n)
+        out = stack.inference_step(x, cache, position)
         sync(devices)
         times.append(time.perf_counter() - begin)
         outputs.append(out.cpu())
@@ -77,9 +76,9 @@ def main() -> None:
     for n in (int(s) for s in args.shards.split(",")):
         pool = args.devices or [args.device]
         devices = [pool[i % len(pool)] for i in range(n)]
-        sharded = TensorParallelStack([build_tensor_parallel_block(family, config, b.cpu(), devices) for b in blocks],
-                                      0, config.hidden_size, layout, torch.float32)
-        stacks[f"{n}_shards"] = (sharded, sharded.devices)
+        sharded = tensor_parallel_stack([build_tensor_parallel_block(family, config, b.cpu(), devices) for b in blocks],
+                                        0, config.hidden_size, layout, torch.float32)
+        stacks[f"{n}_shards"] = (sharded, sharded.blocks[0].devices)
     # repeats interleave the configurations, so that load from other processes hits them alike
     prefills: dict[str, list[float]] = {name: [] for name in stacks}
     decodes: dict[str, list[float]] = {name: [] for name in stacks}

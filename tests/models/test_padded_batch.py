@@ -18,7 +18,6 @@ from corolla.server.padding import (
     check_mask,
     check_prompt_slots,
     masked_inference_step,
-    reorder_cache,
 )
 
 LENGTHS = (5, 2, 7)  # real tokens of the three rows, left-padded to 7
@@ -65,18 +64,18 @@ def test_padded_session_steps_equal_each_row_alone(name):
     steps = [torch.randn(3, 1, 64, generator=gen) for _ in range(3)] + [torch.randn(3, 2, 64, generator=gen)]
     hidden, mask = left_padded(rows)
     cache = stack.allocate_cache(3, 16, 0, 2)
-    outputs = [masked_inference_step(stack, hidden, mask, cache, 0, 0, 2)]
+    outputs = [masked_inference_step(stack, hidden, mask, cache, 0)]
     position = hidden.shape[1]
     for step in steps:
         mask = torch.cat([mask, torch.ones(3, step.shape[1], dtype=torch.bool)], dim=1)
-        outputs.append(masked_inference_step(stack, step, mask, cache, position, 0, 2))
+        outputs.append(masked_inference_step(stack, step, mask, cache, position))
         position += step.shape[1]
     for i, row in enumerate(rows):
         alone = stack.allocate_cache(1, 16, 0, 2)
-        expected = [stack.inference_step(row, alone, 0, 0, 2)]
+        expected = [stack.inference_step(row, alone, 0)]
         at = row.shape[1]
         for step in steps:
-            expected.append(stack.inference_step(step[i : i + 1], alone, at, 0, 2))
+            expected.append(stack.inference_step(step[i : i + 1], alone, at))
             at += step.shape[1]
         torch.testing.assert_close(outputs[0][i, -row.shape[1]:], expected[0][0], atol=ATOL, rtol=0)
         for got, want in zip(outputs[1:], expected[1:]):
@@ -109,7 +108,7 @@ def test_deep_prompts_in_cached_steps_equal_the_cacheless_forward(name):
     hidden, prompts = torch.randn(2, 8, 64, generator=gen), torch.randn(2, 3, 64, generator=gen)
     expected = stack.forward(hidden, 0, 2, prompts)
     cache = stack.allocate_cache(2, 8, 0, 2)
-    got = torch.cat([stack.inference_step(hidden[:, a:b], cache, a, 0, 2, prompts)
+    got = torch.cat([stack.inference_step(hidden[:, a:b], cache, a, prompts)
                      for a, b in ((0, 2), (2, 6), (6, 7), (7, 8))], dim=1)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
     assert (got - stack.forward(hidden, 0, 2)).abs().max() > 1e-2  # the prompts matter
@@ -127,13 +126,13 @@ def test_deep_prompts_with_a_padded_session_land_on_each_rows_first_real_slots()
     mask = torch.cat([torch.ones(3, 2, dtype=torch.bool), token_mask], dim=1)
     step = torch.randn(3, 1, 64, generator=gen)
     cache = stack.allocate_cache(3, 16, 0, 2)
-    first = masked_inference_step(stack, hidden, mask, cache, 0, 0, 2, prompts)
+    first = masked_inference_step(stack, hidden, mask, cache, 0, prompts)
     full = torch.cat([mask, torch.ones(3, 1, dtype=torch.bool)], dim=1)
-    second = masked_inference_step(stack, step, full, cache, hidden.shape[1], 0, 2)
+    second = masked_inference_step(stack, step, full, cache, hidden.shape[1])
     for i, row in enumerate(rows):
         alone = stack.allocate_cache(1, 16, 0, 2)
-        torch.testing.assert_close(first[i, mask[i]], stack.inference_step(row, alone, 0, 0, 2, prompts)[0], atol=ATOL, rtol=0)
-        torch.testing.assert_close(second[i], stack.inference_step(step[i : i + 1], alone, row.shape[1], 0, 2)[0],
+        torch.testing.assert_close(first[i, mask[i]], stack.inference_step(row, alone, 0, prompts)[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(second[i], stack.inference_step(step[i : i + 1], alone, row.shape[1])[0],
                                    atol=ATOL, rtol=0)
     assert check_prompt_slots(mask, 2) is None
     assert "first 3 slots" in check_prompt_slots(mask, 3)
@@ -152,15 +151,15 @@ def test_a_padded_sessions_decode_step_batches_with_another_sessions_step(name):
     full = torch.cat([mask, torch.ones(3, 1, dtype=torch.bool)], dim=1)
     padded, apart, other, other_apart = (stack.allocate_cache(b, 16, 0, 2) for b in (3, 3, 2, 2))
     for cache in (padded, apart):
-        masked_inference_step(stack, hidden, mask, cache, 0, 0, 2)
+        masked_inference_step(stack, hidden, mask, cache, 0)
     for cache in (other, other_apart):
-        stack.inference_step(other_prompt, cache, 0, 0, 2)
+        stack.inference_step(other_prompt, cache, 0)
     lengths = mask.sum(dim=1).tolist()  # [5, 2, 7]
-    got, got_other = stack.decode_batch([(step, padded, lengths, 0, 2), (other_token, other, 4, 0, 2)])
-    torch.testing.assert_close(got, masked_inference_step(stack, step, full, apart, 7, 0, 2), atol=ATOL, rtol=0)
-    torch.testing.assert_close(got_other, stack.inference_step(other_token, other_apart, 4, 0, 2), atol=ATOL, rtol=0)
-    alone = stack.decode_batch([(step, padded, [n + 1 for n in lengths], 0, 2)])[0]  # one padded session alone
-    torch.testing.assert_close(alone, masked_inference_step(stack, step, torch.cat([full, full[:, -1:]], 1), apart, 8, 0, 2),
+    got, got_other = stack.decode_batch([(step, padded, lengths), (other_token, other, 4)])
+    torch.testing.assert_close(got, masked_inference_step(stack, step, full, apart, 7), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_other, stack.inference_step(other_token, other_apart, 4), atol=ATOL, rtol=0)
+    alone = stack.decode_batch([(step, padded, [n + 1 for n in lengths])])[0]  # one padded session alone
+    torch.testing.assert_close(alone, masked_inference_step(stack, step, torch.cat([full, full[:, -1:]], 1), apart, 8),
                                atol=ATOL, rtol=0)
 
 
@@ -170,13 +169,13 @@ def test_rollback_of_a_padded_session_recomputes_each_row_length():
     rows = [torch.randn(1, n, 64, generator=gen) for n in LENGTHS]
     hidden, mask = left_padded(rows)
     cache = stack.allocate_cache(3, 16, 0, 2)
-    masked_inference_step(stack, hidden, mask, cache, 0, 0, 2)
+    masked_inference_step(stack, hidden, mask, cache, 0)
     step = torch.randn(3, 1, 64, generator=gen)
     full = torch.cat([mask, torch.ones(3, 1, dtype=torch.bool)], dim=1)
-    first = masked_inference_step(stack, step, full, cache, 7, 0, 2)
+    first = masked_inference_step(stack, step, full, cache, 7)
     masked_inference_step(stack, torch.randn(3, 1, 64, generator=gen), torch.cat([full, torch.ones(3, 1, dtype=torch.bool)], 1),
-                          cache, 8, 0, 2)
-    again = masked_inference_step(stack, step, full, cache, 7, 0, 2)  # rolled back to position 7
+                          cache, 8)
+    again = masked_inference_step(stack, step, full, cache, 7)  # rolled back to position 7
     torch.testing.assert_close(again, first, atol=0, rtol=0)
 
 
@@ -185,13 +184,13 @@ def test_reordered_cache_continues_the_chosen_rows():
     gen = torch.Generator().manual_seed(4)
     prompt, step = torch.randn(3, 4, 64, generator=gen), torch.randn(3, 1, 64, generator=gen)
     cache = stack.allocate_cache(3, 16, 0, 2)
-    stack.inference_step(prompt, cache, 0, 0, 2)
+    stack.inference_step(prompt, cache, 0)
     hypo_ids = [2, 0, 0]
-    reorder_cache(stack, cache, hypo_ids, 4)
-    got = stack.inference_step(step, cache, 4, 0, 2)
+    cache.reorder(hypo_ids, 4)
+    got = stack.inference_step(step, cache, 4)
     fresh = stack.allocate_cache(3, 16, 0, 2)
-    stack.inference_step(prompt[hypo_ids], fresh, 0, 0, 2)
-    torch.testing.assert_close(got, stack.inference_step(step, fresh, 4, 0, 2), atol=ATOL, rtol=0)
+    stack.inference_step(prompt[hypo_ids], fresh, 0)
+    torch.testing.assert_close(got, stack.inference_step(step, fresh, 4), atol=ATOL, rtol=0)
 
 
 def test_bad_hypo_ids_and_masks_are_named():

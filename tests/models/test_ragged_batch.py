@@ -83,9 +83,9 @@ def test_server_decode_batch_equals_each_step_alone():
     sessions = []
     for batch, length in ((1, 3), (2, 6), (1, 1)):
         cache = stack.allocate_cache(batch, 16, 0, 2)
-        stack.inference_step(torch.randn(batch, length, 64, generator=gen), cache, 0, 0, 2)
+        stack.inference_step(torch.randn(batch, length, 64, generator=gen), cache, 0)
         sessions.append((torch.randn(batch, 1, 64, generator=gen), cache, length))
-    copies = [[(k.clone(), v.clone()) for k, v in cache] for _, cache, _ in sessions]
-    batched = stack.decode_batch([(h, cache, pos, 0, 2) for h, cache, pos in sessions])
+    copies = [type(cache)(cache.start, [((k.clone(), v.clone()),) for k, v in cache.pairs()]) for _, cache, _ in sessions]
+    batched = stack.decode_batch([(h, cache, pos) for h, cache, pos in sessions])
     for (hidden, _, position), cache, out in zip(sessions, copies, batched):
-        torch.testing.assert_close(out, stack.inference_step(hidden, cache, position, 0, 2), atol=1e-5, rtol=0)
+        torch.testing.assert_close(out, stack.inference_step(hidden, cache, position), atol=1e-5, rtol=0)

@@ -180,12 +180,12 @@ def test_monitor_metrics_follow_the_latest_state_and_drop_expired_servers():
 # ---------------------------------------------------------------- server metrics seams
 def test_step_paths_are_told_apart_through_adapter_wrappers():
     def decode_batch(items): ...
-    def masked_inference_step(*args): ...
+    def padded_step(*args): ...
     def allocate_cache(*args): ...
 
     bound = AdapterCalls(()).bind(decode_batch, "some-adapter")
     assert bound is not decode_batch and step_path(bound) == "decode"
-    assert step_path(masked_inference_step) == "padded" and step_path(allocate_cache) is None
+    assert step_path(padded_step) == "padded" and step_path(allocate_cache) is None
     assert step_path(functools.partial(decode_batch)) is None  # a partial hides the name: not a step
 
 

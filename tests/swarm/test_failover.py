@@ -2,7 +2,8 @@
 
 Each test starts its own small swarm (the failure consumes a server) and triggers the failure from a streamer at
 a chosen token, so nothing sleeps: kill -9, SIGTERM (a clean shutdown announcing OFFLINE), and the server's
-fault-injection hook (`--inject-fault fail|drop|stall`, armed by SIGUSR1).
+fault-injection hook (`--inject-fault fail|drop|stall`, armed by SIGUSR1). `--inject-fault corrupt` fails nothing
+at all: it makes a server's outputs subtly wrong, which only checking the numbers can tell.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import NamedSwarm, start_named_servers
+from conftest import NamedSwarm, start_named_servers, wait_until
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.cli.local_swarm import LocalSwarm
 from corolla.protocol.errors import MissingBlocks
@@ -112,6 +113,31 @@ def test_server_that_fails_drops_or_stalls_a_step_is_routed_around(start_swarm, 
         assert step_timeout <= streamer.recovered_after < step_timeout + 5
     else:
         assert streamer.recovered_after < 2.0
+
+
+def test_corrupt_fault_changes_outputs_after_sigusr1_and_not_before(start_swarm, tiny_llama_path):
+    swarm = start_swarm(head=("0:2", []), corrupt=("2:4", ["--inject-fault", "corrupt"]))
+    reference = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    with client(swarm) as model, torch.no_grad():
+        expected = reference(PROMPT).logits
+        embeds = model.head.embed(PROMPT)  # (1, T, H)
+
+        def session_output() -> torch.Tensor:  # the hidden states the corrupt server answers a session step with
+            with model.inference_session(max_length=16) as session:
+                return session.step(embeds)
+
+        clean = session_output()
+        assert torch.allclose(model(PROMPT).logits, expected, atol=1e-4, rtol=0)
+        assert torch.allclose(session_output(), clean, atol=1e-5, rtol=0)  # nothing changes before SIGUSR1
+        swarm.procs["corrupt"].popen.send_signal(signal.SIGUSR1)
+        assert wait_until(lambda: not torch.allclose(session_output(), clean, atol=1e-4, rtol=0), timeout=30)
+        half = clean.shape[-1] // 2
+        corrupt = session_output()
+        torch.testing.assert_close(corrupt[..., :half], clean[..., :half] * 1.01, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(corrupt[..., half:], clean[..., half:], atol=1e-5, rtol=1e-5)
+        logits = model(PROMPT).logits  # the forward path too: wrong, but only subtly
+        assert 1e-3 < (logits - expected).abs().max() < 0.1 * expected.abs().max()
+    assert all(proc.alive() for proc in swarm.procs.values())
 
 
 def test_clean_shutdown_moves_sessions_without_an_error(start_swarm, expected):

@@ -186,7 +186,7 @@ def test_bad_hypo_ids_get_a_clear_error_and_the_server_keeps_serving(swarm, mode
                                               max_length=8, batch_size=2))
             reply, _ = await connection.receive(10)
             assert isinstance(reply, SessionOpened)
-            await connection.send(InferenceStep(step_id=1, position=0, hypo_ids=[0, 5]), [torch.zeros(2, 1, 64)])
+            await connection.send(InferenceStep(step_id=1, position=0, hypo_ids=[0, 5]), {"hidden": torch.zeros(2, 1, 64)})
             await connection.receive(10)
         finally:
             connection.close()

@@ -317,7 +317,7 @@ def test_bad_backward_request_gets_a_clear_error_and_the_server_keeps_serving(mo
         connection = await Connection.open(model._node.p2p, peer, "backward", 10)
         try:
             request = BackwardRequest(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=0, end=2))
-            await connection.send(request, [torch.randn(2, 5, 64), torch.randn(2, 4, 64)])
+            await connection.send(request, {"hidden": torch.randn(2, 5, 64), "grad_output": torch.randn(2, 4, 64)})
             return await connection.receive(10)
         finally:
             connection.close()

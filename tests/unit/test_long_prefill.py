@@ -1,5 +1,6 @@
 """Long prefills run block by block at a lower priority: same result as the merged step, and other sessions'
-decode steps go first. In-process: real tiny Llama blocks, a real compute thread, no network."""
+decode steps go first. In-process: real tiny Llama blocks, a real compute thread (the handler's scheduler), no
+network."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 from transformers import LlamaConfig
 
 from corolla.models.llama.block import LlamaBlock
-from corolla.protocol.messages import BlockRange
 from corolla.server.backend import BlockStack, KVLayout
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
@@ -37,14 +37,14 @@ def test_long_step_equals_the_merged_step_and_fills_the_same_cache():
     hidden = torch.randn(2, 23, HIDDEN)
     try:
         merged_cache = stack.allocate_cache(2, 32, 1, 3)
-        merged = stack.inference_step(hidden, merged_cache, 0, 1, 3)
+        merged = stack.inference_step(hidden, merged_cache, 0)
         cache = stack.allocate_cache(2, 32, 1, 3)
-        pieces = asyncio.run(handler._long_step(hidden, cache, 0, BlockRange(start=1, end=3)))
+        pieces = asyncio.run(handler.compute.chunked(hidden, cache, 0, stack.chunks(2, 23)))
     finally:
         worker.shutdown()
-    assert stack.chunks(2, 23) == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 23)]
+    assert stack.chunks(2, 23) == ((0, 5), (5, 10), (10, 15), (15, 20), (20, 23))
     torch.testing.assert_close(pieces, merged, rtol=0, atol=1e-6)
-    for (k, v), (mk, mv) in zip(cache, merged_cache):
+    for (k, v), (mk, mv) in zip(cache.pairs(), merged_cache.pairs(), strict=True):
         torch.testing.assert_close(k, mk, rtol=0, atol=1e-6)
         torch.testing.assert_close(v, mv, rtol=0, atol=1e-6)
 
@@ -54,9 +54,9 @@ def test_decode_steps_queued_during_a_long_prefill_run_before_its_remaining_bloc
     stack, order = handler.stack, []
     block_step = stack.block_step
 
-    def recorded_block_step(part, cache, position, index, start, prompts=None):
+    def recorded_block_step(part, cache, position, index, prompts=None):
         order.append(f"prefill block {index}")
-        return block_step(part, cache, position, index, start, prompts)
+        return block_step(part, cache, position, index, prompts)
 
     stack.block_step = recorded_block_step
     release = threading.Event()
@@ -65,7 +65,7 @@ def test_decode_steps_queued_during_a_long_prefill_run_before_its_remaining_bloc
         blocker = asyncio.ensure_future(worker.run(PRIORITY_INFERENCE, release.wait, 5.0))
         await asyncio.sleep(0.05)  # the compute thread is busy
         cache = stack.allocate_cache(1, 300, 0, 3)
-        prefill = asyncio.ensure_future(handler._long_step(torch.randn(1, 200, HIDDEN), cache, 0, BlockRange(start=0, end=3)))
+        prefill = asyncio.ensure_future(handler.compute.chunked(torch.randn(1, 200, HIDDEN), cache, 0, stack.chunks(1, 200)))
         await asyncio.sleep(0.05)  # its first block is queued behind the blocker
         decode = asyncio.ensure_future(worker.run(PRIORITY_INFERENCE, order.append, "decode step"))
         await asyncio.sleep(0.05)  # queued too, after the prefill's first block

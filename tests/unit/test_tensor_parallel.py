@@ -5,7 +5,7 @@ Falcon (multi-query with a copied KV head, grouped new-architecture KV heads, bi
 
 The unsharded block is itself checked against HF in tests/models; here every sharded path must give its outputs
 within 1e-5 (float32): a cache-less forward, a prefill then single-token cached steps (caches compared too),
-and batched decode over several sessions through `TensorParallelStack.decode_batch` (the RaggedKV path).
+and batched decode over several sessions through `BlockStack.decode_batch` of a `tensor_parallel_stack` (the RaggedKV path).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from corolla.models.llama.sharding import split_evenly
 from corolla.server.backend import BlockStack, KVLayout
 from corolla.server.quantization import quantize_block, quantized_linear_count, resident_bytes
 from corolla.server.tensor_parallel import (
-    TensorParallelStack,
     build_tensor_parallel_block,
     check_tensor_parallel,
     measure_throughput,
+    tensor_parallel_stack,
 )
 
 ATOL = 1e-5
@@ -86,13 +86,13 @@ def make_blocks(case_id: str, seed: int = 0) -> tuple[PretrainedConfig, list[tor
     return config, blocks
 
 
-def make_stacks(case_id: str, num_shards: int) -> tuple[BlockStack, TensorParallelStack]:
+def make_stacks(case_id: str, num_shards: int) -> tuple[BlockStack, BlockStack]:
     config, blocks = make_blocks(case_id)
     family = get_family(config)
     layout = KVLayout(*family.kv_layout(config))
     sharded = [build_tensor_parallel_block(family, config, b, ["cpu"] * num_shards) for b in blocks]
     return (BlockStack(blocks, 0, config.hidden_size, layout, torch.float32, torch.device("cpu")),
-            TensorParallelStack(sharded, 0, config.hidden_size, layout, torch.float32))
+            tensor_parallel_stack(sharded, 0, config.hidden_size, layout, torch.float32))
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -116,17 +116,17 @@ def test_sharded_prefill_then_cached_steps_equal_unsharded(case_id: str, num_sha
     full_cache = full.allocate_cache(2, 12, 0, 2)
     shard_cache = sharded.allocate_cache(2, 12, 0, 2)
     prompt = torch.randn(2, 5, full.hidden_size)
-    assert_close(sharded.inference_step(prompt, shard_cache, 0, 0, 2), full.inference_step(prompt, full_cache, 0, 0, 2))
+    assert_close(sharded.inference_step(prompt, shard_cache, 0), full.inference_step(prompt, full_cache, 0))
     for position in range(5, 10):
         x = torch.randn(2, 1, full.hidden_size)
-        assert_close(sharded.inference_step(x, shard_cache, position, 0, 2), full.inference_step(x, full_cache, position, 0, 2))
+        assert_close(sharded.inference_step(x, shard_cache, position), full.inference_step(x, full_cache, position))
     for j in range(2):  # each shard holds its own KV heads: concatenated, they are the unsharded cache
         for t in range(2):
             if getattr(sharded.blocks[j].shards[0], "kv_replicated", False):  # multi-query: each holds a copy
-                for pair in shard_cache[j]:
-                    assert_close(pair[t], full_cache[j][t])
+                for pair in shard_cache.kv(j):
+                    assert_close(pair[t], full_cache.kv(j)[t])
             else:
-                assert_close(torch.cat([pair[t] for pair in shard_cache[j]], dim=1), full_cache[j][t])
+                assert_close(torch.cat([pair[t] for pair in shard_cache.kv(j)], dim=1), full_cache.kv(j)[t])
 
 
 @pytest.mark.parametrize("num_shards", [2, 3])
@@ -139,11 +139,11 @@ def test_sharded_batched_decode_equals_unsharded(case_id: str, num_shards: int) 
     for batch, prompt_len in [(1, 3), (2, 6), (1, 1)]:  # sessions at different positions
         full_cache, shard_cache = full.allocate_cache(batch, 10, 0, 2), sharded.allocate_cache(batch, 10, 0, 2)
         prompt = torch.randn(batch, prompt_len, full.hidden_size)
-        full.inference_step(prompt, full_cache, 0, 0, 2)
-        sharded.inference_step(prompt, shard_cache, 0, 0, 2)
+        full.inference_step(prompt, full_cache, 0)
+        sharded.inference_step(prompt, shard_cache, 0)
         x = torch.randn(batch, 1, full.hidden_size)
-        steps_full.append((x, full_cache, prompt_len, 0, 2))
-        steps_sharded.append((x, shard_cache, prompt_len, 0, 2))
+        steps_full.append((x, full_cache, prompt_len))
+        steps_sharded.append((x, shard_cache, prompt_len))
     for out_sharded, out_full in zip(sharded.decode_batch(steps_sharded), full.decode_batch(steps_full), strict=True):
         assert_close(out_sharded, out_full)
 
@@ -186,7 +186,7 @@ def test_falcon_multi_query_shards_split_query_heads_and_copy_the_kv_head() -> N
     for shard in tp.shards:
         assert torch.equal(shard.self_attention.query_key_value.weight[-16:], qkv[-16:])
     assert torch.equal(tp.shards[2].self_attention.query_key_value.weight[:16], qkv[6 * 8 : 8 * 8])
-    stack = TensorParallelStack([tp], 0, config.hidden_size, KVLayout(*family.kv_layout(config)), torch.float32)
+    stack = tensor_parallel_stack([tp], 0, config.hidden_size, KVLayout(*family.kv_layout(config)), torch.float32)
     assert stack.layout.n_kv_heads == 5  # cache memory counts every copy of the KV head
 
 
@@ -259,7 +259,7 @@ def test_shards_on_cuda_equal_unsharded_block(case_id: str) -> None:
     family = get_family(config)
     layout = KVLayout(*family.kv_layout(config))
     devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(2)]
-    sharded = TensorParallelStack(
+    sharded = tensor_parallel_stack(
         [build_tensor_parallel_block(family, config, b, devices) for b in blocks], 0, config.hidden_size, layout, torch.float32
     )
     full = BlockStack([b.to("cuda:0") for b in blocks], 0, config.hidden_size, layout, torch.float32, torch.device("cuda:0"))
@@ -267,14 +267,14 @@ def test_shards_on_cuda_equal_unsharded_block(case_id: str) -> None:
     torch.manual_seed(1)
     for position, length in [(0, 5), (5, 1), (6, 1)]:
         x = torch.randn(2, length, config.hidden_size, device="cuda:0")
-        assert_close(sharded.inference_step(x, shard_cache, position, 0, 2), full.inference_step(x, full_cache, position, 0, 2))
+        assert_close(sharded.inference_step(x, shard_cache, position), full.inference_step(x, full_cache, position))
 
 
 @pytest.mark.parametrize("num_shards", [2, 3])
 @pytest.mark.parametrize("case_id", ["llama-gqa", "bloom-6heads", "falcon-7b-multi-query"])
 def test_padded_steps_and_beam_reordering_work_on_sharded_caches(case_id: str, num_shards: int) -> None:
     """The padded-batch and beam-search paths (server.padding) take per-shard caches as they take plain ones."""
-    from corolla.server.padding import masked_inference_step, reorder_cache
+    from corolla.server.padding import masked_inference_step
 
     plain, sharded = make_stacks(case_id, num_shards)
     torch.manual_seed(1)
@@ -283,10 +283,10 @@ def test_padded_steps_and_beam_reordering_work_on_sharded_caches(case_id: str, n
     outputs = []
     for stack in (plain, sharded):
         cache = stack.allocate_cache(3, 16, 0, 2)
-        prefill = masked_inference_step(stack, hidden, mask, cache, 0, 0, 2)  # (3, 5, H)
-        reorder_cache(stack, cache, [2, 2, 0], 5)
+        prefill = masked_inference_step(stack, hidden, mask, cache, 0)  # (3, 5, H)
+        cache.reorder([2, 2, 0], 5)
         step_mask = torch.cat([mask[[2, 2, 0]], torch.ones(3, 1, dtype=torch.bool)], dim=1)
-        decode = masked_inference_step(stack, hidden[:, :1] * 0.5, step_mask, cache, 5, 0, 2)  # rows of 4, 4, 3 tokens
+        decode = masked_inference_step(stack, hidden[:, :1] * 0.5, step_mask, cache, 5)  # rows of 4, 4, 3 tokens
         outputs.append((prefill, decode))
     for actual, expected in zip(outputs[1], outputs[0]):
         assert_close(actual, expected)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corolla.protocol.messages import QUANT_MODES
+from corolla.protocol.messages import QUANT_MODES, QuantMode
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,10 @@ class ClientConfig:
 
     max_chunk_bytes: int = 4 << 20  # training: largest hidden-state tensor per forward/backward message, bytes
 
-    # route only through servers whose announced quantization is one of these ("none", "int8", "nf4"); None = any.
-    # ("none",) keeps outputs exact; a swarm without such servers for some block raises MissingBlocks
-    allowed_quant: tuple[str, ...] | None = None
+    # route only through servers whose announced quantization is one of these (QuantMode, or its strings "none",
+    # "int8", "nf4"); None = any. ("none",) keeps outputs exact; a swarm without such servers for some block raises
+    # MissingBlocks
+    allowed_quant: tuple[QuantMode, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.allowed_quant is not None:
@@ -37,4 +38,5 @@ class ClientConfig:
                 raise ValueError(
                     f"allowed_quant must be None or a non-empty tuple of {QUANT_MODES}, got {self.allowed_quant!r}"
                 )
-            object.__setattr__(self, "allowed_quant", tuple(self.allowed_quant))  # a list is accepted too
+            # strings and lists are accepted too; kept as a tuple of QuantMode
+            object.__setattr__(self, "allowed_quant", tuple(QuantMode(mode) for mode in self.allowed_quant))

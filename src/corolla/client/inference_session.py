@@ -74,14 +74,16 @@ class _SpanSession:
         replay rebuilds the reordered caches. The span's deep prompts go with every step that holds a position below P.
         """
         self.step_id += 1
-        tensors = [hidden] if mask is None else [hidden, mask]
+        tensors = {"hidden": hidden}
+        if mask is not None:
+            tensors["attention_mask"] = mask
         if self.prompts is not None and position < self.prompts.shape[1]:
-            tensors.append(self.prompts)
+            tensors["prompts"] = self.prompts
         await self.connection.send(InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids), tensors)
         reply, tensors = await self.connection.receive(timeout)
-        if not isinstance(reply, StepResult) or reply.step_id != self.step_id or len(tensors) != 1:
+        if not isinstance(reply, StepResult) or reply.step_id != self.step_id:
             raise PeerUnavailable(f"server {self.span.peer_id} answered step {self.step_id} with {reply.kind}")
-        output = tensors[0]
+        output = tensors["hidden"]
         if output.shape != hidden.shape:
             raise PeerUnavailable(f"server {self.span.peer_id} returned shape {tuple(output.shape)} for {tuple(hidden.shape)}")
         kept = self.history[:, :position] if self.history is not None else None

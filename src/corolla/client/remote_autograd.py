@@ -162,34 +162,34 @@ class RemoteBlocks:
     # ------------------------------------------------------------------ one request
     async def forward_span(self, span: Span, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None) -> Tensor:
         """rpc_forward of hidden (b, T, H) over one span; prompts (span blocks, P, H) or None; mask (b, T) or None."""
-        tensors = [hidden] + ([] if mask is None else [mask]) + ([] if prompts is None else [prompts])
+        tensors = _with_extras({"hidden": hidden}, mask, prompts)
         request = ForwardRequest(
             protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
             active_adapter=self.manager.config.active_adapter,
         )
         reply, out = await self._call(span.peer_id, "forward", request, tensors)
-        if not isinstance(reply, ForwardResult) or len(out) != 1 or out[0].shape != hidden.shape:
+        if not isinstance(reply, ForwardResult) or out["hidden"].shape != hidden.shape:
             raise PeerUnavailable(f"server {span.peer_id} sent a malformed forward result")
-        return out[0].to(hidden.dtype)
+        return out["hidden"].to(hidden.dtype)
 
     async def backward_span(
         self, span: Span, hidden: Tensor, grad: Tensor, prompts: Tensor | None, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
         """rpc_backward over one span: (grad w.r.t. hidden (b, T, H), grad w.r.t. prompts or None)."""
-        tensors = [hidden, grad.to(hidden.dtype)] + ([] if mask is None else [mask]) + ([] if prompts is None else [prompts])
+        tensors = _with_extras({"hidden": hidden, "grad_output": grad.to(hidden.dtype)}, mask, prompts)
         request = BackwardRequest(
             protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
             active_adapter=self.manager.config.active_adapter,
         )
         reply, out = await self._call(span.peer_id, "backward", request, tensors)
-        expected = 1 if prompts is None else 2
-        if not isinstance(reply, BackwardResult) or len(out) != expected or out[0].shape != hidden.shape or (
-            prompts is not None and out[1].shape != prompts.shape
+        grad_prompts = out.get("grad_prompts")
+        if not isinstance(reply, BackwardResult) or out["grad_hidden"].shape != hidden.shape or (
+            (grad_prompts is None) != (prompts is None) or (prompts is not None and grad_prompts.shape != prompts.shape)
         ):
             raise PeerUnavailable(f"server {span.peer_id} sent a malformed backward result")
-        return out[0].to(hidden.dtype), (None if prompts is None else out[1].to(prompts.dtype))
+        return out["grad_hidden"].to(hidden.dtype), (None if prompts is None else grad_prompts.to(prompts.dtype))
 
-    async def _call(self, peer_id: str, verb: str, request: ForwardRequest | BackwardRequest, tensors: list[Tensor]):
+    async def _call(self, peer_id: str, verb: str, request: ForwardRequest | BackwardRequest, tensors: dict[str, Tensor]):
         config = self.manager.config
         connection = await Connection.open(self.manager.node.p2p, peer_id, verb, config.connect_timeout)
         try:
@@ -204,6 +204,15 @@ class RemoteBlocks:
     def _accumulate(self, total: Tensor | None, span: Span, grad: Tensor | None) -> None:
         if total is not None and grad is not None:
             total[span.start - self.start : span.end - self.start] += grad
+
+
+def _with_extras(tensors: dict[str, Tensor], mask: Tensor | None, prompts: Tensor | None) -> dict[str, Tensor]:
+    """`tensors` with the optional attention mask and deep prompts of a forward or backward request added."""
+    if mask is not None:
+        tensors["attention_mask"] = mask
+    if prompts is not None:
+        tensors["prompts"] = prompts
+    return tensors
 
 
 class RemoteBlocksFunction(torch.autograd.Function):

@@ -224,8 +224,9 @@ class SequenceManager:
         excluded = sorted({info.quant for b in blocks for _, info in usable_servers(self.block_servers, b, banned, adapter)})
         if not excluded:
             return error
-        return MissingBlocks(blocks, f"{error} with quantization in {allowed}: the servers holding them announce "
-                                     f"quantization {excluded}, which ClientConfig.allowed_quant excludes")
+        return MissingBlocks(blocks, f"{error} with quantization in {tuple(map(str, allowed))}: the servers holding "
+                                     f"them announce quantization {list(map(str, excluded))}, which "
+                                     "ClientConfig.allowed_quant excludes")
 
     async def close(self) -> None:
         for task in [self._pings, *self._probes]:

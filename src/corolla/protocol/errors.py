@@ -4,6 +4,10 @@ Expected outcomes (a full cache, a missing record) are return values where a cal
 cover what a caller cannot handle locally.
 """
 
+from __future__ import annotations
+
+from corolla.protocol.messages import ErrorCode
+
 
 class CorollaError(Exception):
     """Base class of every error corolla raises on purpose."""
@@ -38,10 +42,10 @@ class MissingBlocks(CorollaError):
 
 
 class RemoteError(CorollaError):
-    """A server answered a request with an error; `code` tells which kind (see protocol.messages.ErrorCode)."""
+    """A server answered a request with an error; `code` tells which kind (it also compares equal to its string)."""
 
-    def __init__(self, code: str, message: str, peer: str | None = None):
-        self.code = code
+    def __init__(self, code: ErrorCode, message: str, peer: str | None = None):
+        self.code = ErrorCode(code)
         self.peer = peer
         where = f" (server {peer})" if peer else ""
         super().__init__(f"{code}: {message}{where}")

@@ -2,7 +2,11 @@
 
     frame  := u64 length (big endian) | payload
     payload:= u32 header_len | msgpack(header) | tensor bytes ...
-    header := {"msg": <message dict>, "tensors": [[dtype, [shape...]], ...]}
+    header := {"v": PROTOCOL_VERSION, "msg": <message dict>, "tensors": [[name, dtype, [shape...]], ...]}
+
+Tensor bytes follow in the order of `tensors`, each C-contiguous. Every tensor is named; which names a message
+carries is fixed by its `tensor_slots` (protocol.messages), and a frame with an unknown, missing or repeated name
+is refused, as is a frame of another protocol version (its error names both versions).
 
 The reader checks every length against a limit before allocating, so garbage on the stream produces a
 ProtocolError, never a huge allocation.
@@ -12,18 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Sequence
+from collections.abc import Mapping
 
 import msgpack
 import torch
 from pydantic import ValidationError
 
+from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import ProtocolError
 from corolla.protocol.messages import MESSAGE_ADAPTER, Message
 
 MAX_FRAME_BYTES = 1 << 30  # 1 GiB: a prefill of 16k tokens x hidden 8192 in float32 is 512 MiB
-_LEN_BYTES = 8
-_HEADER_LEN_BYTES = 4
+LEN_BYTES = 8
+HEADER_LEN_BYTES = 4
+MAX_NAME_LENGTH = 64  # characters of a tensor's name
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -34,32 +40,48 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,  # attention masks
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+Tensors = Mapping[str, torch.Tensor]  # a frame's tensors by name, in wire order
+_NO_TENSORS: dict[str, torch.Tensor] = {}
 
 
-def encode_frame(message: Message, tensors: Sequence[torch.Tensor] = ()) -> bytes:
-    """Serialise one message and its tensors into a payload (without the u64 length prefix)."""
-    specs = []
-    buffers = []
-    for tensor in tensors:
+def version_mismatch(theirs: object, ours: int = PROTOCOL_VERSION) -> str:
+    """The error text for a peer speaking protocol `theirs` to one speaking `ours`: names both."""
+    return (f"protocol version mismatch: the peer speaks corolla protocol v{str(theirs)[:20]}, this side speaks v{ours}; "
+            f"clients and servers of one swarm must run corolla versions with the same protocol")
+
+
+def encode_frame(message: Message, tensors: Tensors = _NO_TENSORS) -> bytes:
+    """Serialise one message and its named tensors into a payload (without the u64 length prefix).
+
+    Raises ProtocolError for names the message does not carry or a dtype the wire has no name for."""
+    problem = message.tensor_slots.problem(message.kind, tensors.keys())
+    if problem is not None:
+        raise ProtocolError(problem)
+    specs, buffers = [], []
+    for name, tensor in tensors.items():
         if tensor.dtype not in DTYPE_NAMES:
-            raise ProtocolError(f"cannot send dtype {tensor.dtype}")
+            raise ProtocolError(f"cannot send dtype {tensor.dtype} (tensor {name!r})")
         tensor = tensor.detach().to("cpu").contiguous()
-        specs.append([DTYPE_NAMES[tensor.dtype], list(tensor.shape)])
+        specs.append([name, DTYPE_NAMES[tensor.dtype], list(tensor.shape)])
         buffers.append(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    header = msgpack.packb({"msg": message.model_dump(mode="json"), "tensors": specs})
-    return b"".join([len(header).to_bytes(_HEADER_LEN_BYTES, "big"), header, *buffers])
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "msg": message.model_dump(mode="json"), "tensors": specs})
+    return b"".join([len(header).to_bytes(HEADER_LEN_BYTES, "big"), header, *buffers])
 
 
-def decode_frame(payload: bytes) -> tuple[Message, list[torch.Tensor]]:
-    """Parse a payload into (message, tensors). Raises ProtocolError on anything malformed."""
-    if len(payload) < _HEADER_LEN_BYTES:
+def decode_frame(payload: bytes) -> tuple[Message, dict[str, torch.Tensor]]:
+    """Parse a payload into (message, tensors by name). Raises ProtocolError on anything malformed."""
+    if len(payload) < HEADER_LEN_BYTES:
         raise ProtocolError("frame too short")
-    header_len = int.from_bytes(payload[:_HEADER_LEN_BYTES], "big")
-    end = _HEADER_LEN_BYTES + header_len
+    header_len = int.from_bytes(payload[:HEADER_LEN_BYTES], "big")
+    end = HEADER_LEN_BYTES + header_len
     if end > len(payload):
         raise ProtocolError("frame header is truncated")
     try:
-        header = msgpack.unpackb(payload[_HEADER_LEN_BYTES:end])
+        header = msgpack.unpackb(payload[HEADER_LEN_BYTES:end])
+        if not isinstance(header, dict):
+            raise TypeError("the header must be a map")
+        if header.get("v") != PROTOCOL_VERSION:  # v1 headers had no version: {"msg", "tensors"} only
+            raise ProtocolError(version_mismatch(header.get("v", 1)))
         message = MESSAGE_ADAPTER.validate_python(header["msg"])
         specs = header["tensors"]
         if not isinstance(specs, list):
@@ -69,31 +91,37 @@ def decode_frame(payload: bytes) -> tuple[Message, list[torch.Tensor]]:
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
         raise ProtocolError(f"undecodable frame header: {e}") from e
 
-    tensors = []
+    checked = [_check_spec(spec) for spec in specs]
+    problem = message.tensor_slots.problem(message.kind, [name for name, _, _ in checked])
+    if problem is not None:
+        raise ProtocolError(problem)
+    tensors: dict[str, torch.Tensor] = {}
     offset = end
     view = memoryview(payload)
-    for spec in specs:
-        dtype, shape = _check_spec(spec)
+    for name, dtype, shape in checked:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if offset + nbytes > len(payload):
-            raise ProtocolError("tensor data is truncated")
+            raise ProtocolError(f"tensor data is truncated (tensor {name!r})")
         raw = bytearray(view[offset : offset + nbytes])  # a writable copy, owned by the tensor
-        tensors.append(torch.frombuffer(raw, dtype=dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype))
+        tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
         offset += nbytes
     if offset != len(payload):
         raise ProtocolError(f"{len(payload) - offset} unexpected trailing bytes in frame")
     return message, tensors
 
 
-def _check_spec(spec: object) -> tuple[torch.dtype, list[int]]:
-    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], list)):
-        raise ProtocolError(f"bad tensor spec {spec!r}")
-    if spec[0] not in DTYPES:
-        raise ProtocolError(f"unsupported tensor dtype {spec[0]!r}; supported: {', '.join(DTYPES)}")
-    shape = spec[1]
+def _check_spec(spec: object) -> tuple[str, torch.dtype, list[int]]:
+    if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str) and isinstance(spec[1], str)
+            and isinstance(spec[2], list)):
+        raise ProtocolError(f"bad tensor spec {spec!r}: expected [name, dtype, shape]")
+    name, dtype, shape = spec
+    if not 0 < len(name) <= MAX_NAME_LENGTH:
+        raise ProtocolError(f"bad tensor name {name[:MAX_NAME_LENGTH]!r}")
+    if dtype not in DTYPES:
+        raise ProtocolError(f"unsupported dtype {dtype!r} of tensor {name!r}; supported: {', '.join(DTYPES)}")
     if len(shape) > 8 or not all(isinstance(d, int) and 0 <= d for d in shape):
-        raise ProtocolError(f"bad tensor shape {shape!r}")
-    return DTYPES[spec[0]], shape
+        raise ProtocolError(f"bad shape {shape!r} of tensor {name!r}")
+    return name, DTYPES[dtype], shape
 
 
 def _short(error: ValidationError) -> str:
@@ -104,17 +132,17 @@ def _short(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-async def write_frame(writer: asyncio.StreamWriter, message: Message, tensors: Sequence[torch.Tensor] = ()) -> None:
+async def write_frame(writer: asyncio.StreamWriter, message: Message, tensors: Tensors = _NO_TENSORS) -> None:
     """Write one frame and wait until the transport has taken it."""
     payload = encode_frame(message, tensors)
-    writer.write(len(payload).to_bytes(_LEN_BYTES, "big"))
+    writer.write(len(payload).to_bytes(LEN_BYTES, "big"))
     writer.write(payload)
     await writer.drain()
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> tuple[Message, list[torch.Tensor]]:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> tuple[Message, dict[str, torch.Tensor]]:
     """Read one frame. Raises asyncio.IncompleteReadError when the peer closed the stream, ProtocolError on garbage."""
-    length = int.from_bytes(await reader.readexactly(_LEN_BYTES), "big")
+    length = int.from_bytes(await reader.readexactly(LEN_BYTES), "big")
     if length > max_bytes:
         raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_bytes} bytes")
     return decode_frame(await reader.readexactly(length))

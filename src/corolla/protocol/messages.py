@@ -1,13 +1,17 @@
 """Typed messages of every RPC and the DHT record a server announces.
 
 Each message carries a `kind` literal, so a frame's header decodes into exactly one model; unknown fields are
-rejected (`extra="forbid"`). Tensors travel beside the header (see protocol.framing), never inside it.
+rejected (`extra="forbid"`). Tensors travel beside the header (see protocol.framing), never inside it, each under
+a name: a message's `tensor_slots` lists the names it must and may carry, and a frame with any other name, a
+missing one or a repeated one is refused when it is decoded.
 """
 
 from __future__ import annotations
 
-from enum import Enum
-from typing import Annotated, Literal, NewType
+from collections.abc import Collection
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+from typing import Annotated, ClassVar, Literal, NewType
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -18,11 +22,47 @@ MAX_BATCH_SIZE = 1024
 MAX_SESSION_LENGTH = 1 << 20  # tokens; a sanity bound, the server's own limit is usually lower
 MAX_ADAPTER_NAME = 4096  # characters of an adapter's name (a hub repo id or a path)
 
-QUANT_MODES: tuple[str, ...] = ("none", "int8", "nf4")  # weight quantizations a server may announce
+
+
+class QuantMode(StrEnum):
+    """Weight quantization of a server's blocks (`corolla serve --quant`). Members equal their wire strings."""
+
+    NONE = "none"
+    INT8 = "int8"  # LLM.int8()
+    NF4 = "nf4"  # 4-bit NormalFloat
+
+
+QUANT_MODES: tuple[str, ...] = tuple(mode.value for mode in QuantMode)  # for CLI choices and messages
+
+
+@dataclass(frozen=True)
+class TensorSlots:
+    """The named tensors a message carries beside its header: all of `required`, any of `optional`, each once."""
+
+    required: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+
+    def problem(self, kind: str, names: Collection[str]) -> str | None:
+        """None if a frame of message `kind` may carry tensors `names` (in any order), else what is wrong."""
+        allowed = self.required + self.optional
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                return f"{kind} carries tensor {name!r} twice"
+            if name not in allowed:
+                listed = ", ".join([*self.required, *(f"{n} (optional)" for n in self.optional)]) or "none"
+                return f"{kind} carries no tensor {name!r}; its tensors: {listed}"
+            seen.add(name)
+        missing = [name for name in self.required if name not in seen]
+        return f"{kind} needs tensor {missing[0]!r}" if missing else None
+
+
+NO_TENSORS = TensorSlots()
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    tensor_slots: ClassVar[TensorSlots] = NO_TENSORS
 
 
 class ServerState(str, Enum):
@@ -41,7 +81,7 @@ class ServerInfo(_Message):
     cache_tokens_total: int = Field(ge=0)  # KV-cache budget, in tokens (batch rows x positions)
     cache_tokens_free: int = Field(ge=0)
     torch_dtype: str  # "float32", "bfloat16", ...
-    quant: str = "none"  # weight quantization of the blocks, one of QUANT_MODES
+    quant: QuantMode = QuantMode.NONE  # weight quantization of the blocks
     # resident bytes of one hosted block (weights and quantization state), measured after loading; 0 = not announced
     bytes_per_block: int = Field(default=0, ge=0)
     version: str  # corolla version of the server
@@ -92,10 +132,9 @@ class SessionOpened(_Message):
 
 
 class InferenceStep(_Message):
-    """One step: tensor `hidden` (batch_size, T, hidden_size) whose first token sits at `position`, optionally
-    followed by one or both of (told apart by dtype):
+    """One step: tensor `hidden` (batch_size, T, hidden_size) whose first token sits at `position`, and optionally:
 
-    - `attention_mask` (batch_size, position + T), bool: 1 = a real token, 0 = padding;
+    - `attention_mask` (batch_size, position + T), bool or 0/1 integer: 1 = a real token, 0 = padding;
     - `prompts` (end - start, P, hidden_size), floating point, P <= max_length, for deep prompt tuning: before block
       i the server adds prompts[i - start] to this step's positions below P. A client sends them with every step
       that holds such a position (the first one, and a replay after failover); with a mask, the first P slots of
@@ -115,15 +154,17 @@ class InferenceStep(_Message):
     """
 
     kind: Literal["inference_step"] = "inference_step"
+    tensor_slots: ClassVar[TensorSlots] = TensorSlots(("hidden",), ("attention_mask", "prompts"))
     step_id: int = Field(ge=0)
     position: int = Field(ge=0)
     hypo_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_BATCH_SIZE)
 
 
 class StepResult(_Message):
-    """Answer to an InferenceStep: one tensor, the hidden states after this server's blocks."""
+    """Answer to an InferenceStep: tensor `hidden`, the hidden states after this server's blocks (B, T, H)."""
 
     kind: Literal["step_result"] = "step_result"
+    tensor_slots: ClassVar[TensorSlots] = TensorSlots(("hidden",))
     step_id: int
     position: int  # tokens the session holds after the step
 
@@ -134,35 +175,39 @@ class CloseSession(_Message):
 
 # ---------------------------------------------------------------- rpc_forward / rpc_info
 class ForwardRequest(_Message):
-    """A full forward pass without cache over `blocks`: tensor `hidden` (B, T, hidden_size), optionally followed by
-    one or both of (told apart by dtype):
+    """A full forward pass without cache over `blocks`: tensor `hidden` (B, T, hidden_size), and optionally:
 
-    - `attention_mask` (B, T), bool or integer, with the meaning InferenceStep gives it (padded slots are skipped);
+    - `attention_mask` (B, T), bool or 0/1 integer, with the meaning InferenceStep gives it (padded slots are skipped);
     - `prompts` (end - start, P, hidden_size), floating point, P <= T, for deep prompt tuning: before block i the
       server adds prompts[i - start] to the hidden states of positions [0, P) (every batch row). With a mask, the
       first P slots of every row must be real; positions count real slots only.
     """
 
     kind: Literal["forward"] = "forward"
+    tensor_slots: ClassVar[TensorSlots] = TensorSlots(("hidden",), ("attention_mask", "prompts"))
     protocol_version: int
     blocks: BlockRange
     active_adapter: str | None = Field(default=None, max_length=MAX_ADAPTER_NAME)  # LoRA adapter; None: base model
 
 
 class ForwardResult(_Message):
+    """Answer to a ForwardRequest: tensor `hidden`, the blocks' output (B, T, hidden_size)."""
+
     kind: Literal["forward_result"] = "forward_result"
+    tensor_slots: ClassVar[TensorSlots] = TensorSlots(("hidden",))
 
 
 class BackwardRequest(_Message):
     """rpc_backward over `blocks`: tensors `hidden` (B, T, hidden_size), the span's inputs as sent to rpc_forward,
-    and `grad_output` (B, T, hidden_size), the loss gradient w.r.t. the span's outputs; then, as the forward had
-    them (see ForwardRequest, told apart by dtype), an `attention_mask` (B, T) and/or `prompts` (end - start, P,
-    hidden_size). The gradient at a padded slot passes through unchanged.
+    and `grad_output` (B, T, hidden_size), the loss gradient w.r.t. the span's outputs; and, as the forward had
+    them (see ForwardRequest), optionally `attention_mask` (B, T) and `prompts` (end - start, P, hidden_size).
+    The gradient at a padded slot passes through unchanged.
 
     The server recomputes the forward with its weights frozen and differentiates w.r.t. the inputs only.
     """
 
     kind: Literal["backward"] = "backward"
+    tensor_slots: ClassVar[TensorSlots] = TensorSlots(("hidden", "grad_output"), ("attention_mask", "prompts"))
     protocol_version: int
     blocks: BlockRange
     active_adapter: str | None = None  # the LoRA adapter the forward ran with (see OpenSession)
@@ -173,6 +218,7 @@ class BackwardResult(_Message):
     `grad_prompts` (end - start, P, hidden_size), summed over the batch."""
 
     kind: Literal["backward_result"] = "backward_result"
+    tensor_slots: ClassVar[TensorSlots] = TensorSlots(("grad_hidden",), ("grad_prompts",))
 
 
 class InfoRequest(_Message):
@@ -196,21 +242,25 @@ MAX_PROBE_BYTES = 64 << 20  # the most a probe may send or ask for
 
 
 class ProbeRequest(_Message):
-    """Bandwidth probe from another server: carries one int32 tensor (the upload payload, possibly empty)
+    """Bandwidth probe from another server: carries tensor `payload` (int32, the upload, possibly empty)
     and asks for `reply_bytes` bytes back (rounded down to whole int32 elements)."""
 
     kind: Literal["probe"] = "probe"
+    tensor_slots: ClassVar[TensorSlots] = TensorSlots(("payload",))
     reply_bytes: int = Field(default=0, ge=0, le=MAX_PROBE_BYTES)
 
 
 class ProbeReply(_Message):
-    """Answer to a probe: one int32 tensor of the requested size."""
+    """Answer to a probe: tensor `payload`, int32, of the requested size."""
 
     kind: Literal["probe_reply"] = "probe_reply"
+    tensor_slots: ClassVar[TensorSlots] = TensorSlots(("payload",))
 
 
 # ---------------------------------------------------------------- errors
-class ErrorCode(str, Enum):
+class ErrorCode(StrEnum):
+    """Why a server refused a request. Members equal their wire strings (and compare equal to them)."""
+
     BAD_REQUEST = "bad_request"  # malformed message, wrong shape/dtype, unknown blocks
     SESSION_FULL = "session_full"  # past the session's max_length
     SERVER_FULL = "server_full"  # no cache could be reserved within the allocation timeout

@@ -1,34 +1,37 @@
-"""The hosted blocks and the math of one request: a merged step through every block of a span.
+"""The hosted blocks and the math of one request: a step of a session through every block of its span.
 
-A session's KV cache is a list with one (keys, values) pair per hosted block, laid out as
-
-    keys[b], values[b]: (batch, n_kv_heads, max_length, head_dim)
-
-and written in place by each block at [position, position + T). Single-token steps of different sessions over
-the same blocks can run together (`decode_batch`): each block then sees a `RaggedKV` of the rows' own caches.
+A session's KV cache is a `SessionKV` (server.kv_cache) over the session's blocks; each block writes its keys and
+values in place at [position, position + T). Single-token steps of different sessions over the same blocks can
+run together (`decode_batch`): each block then takes a ragged view of the rows' own caches.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from corolla.models.ragged import RaggedKV
 from corolla.server.backward import add_prompt, backward_through, run_blocks
+from corolla.server.kv_cache import PlainKV, RaggedRow, SessionKV
+from corolla.server.planner import ChunkRanges, chunk_ranges
 
 logger = logging.getLogger(__name__)
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]
-# hidden (B, 1, H), cache, position (one for every row, or one per row: a padded session), start, end
-DecodeStep = tuple[torch.Tensor, KVCache, int | list[int], int, int]
+
+class DecodeItem(NamedTuple):
+    """One session's part of a batched decode step."""
+
+    hidden: torch.Tensor  # (B, 1, H)
+    cache: SessionKV
+    lengths: int | list[int] | tuple[int, ...]  # tokens every row holds before the step, or per row (padded session)
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    n_kv_heads: int
+    n_kv_heads: int  # KV heads one block caches (over all its shards)
     head_dim: int
 
     def bytes_per_token(self, dtype: torch.dtype, num_blocks: int) -> int:
@@ -37,7 +40,10 @@ class KVLayout:
 
 
 class BlockStack:
-    """Blocks [start, end) of one model on one device; all methods are called from the compute thread."""
+    """Blocks [start, end) of one model on one device; all methods are called from the compute thread.
+
+    `cache` is the session-cache layout the blocks take (`PlainKV`; tensor parallelism: `ShardedKV`).
+    """
 
     def __init__(
         self,
@@ -48,6 +54,7 @@ class BlockStack:
         dtype: torch.dtype,
         device: torch.device,
         max_chunk_tokens: int = 2048,
+        cache: type[SessionKV] = PlainKV,
     ):
         self.blocks = blocks
         self.start = start
@@ -57,87 +64,71 @@ class BlockStack:
         self.dtype = dtype
         self.device = device
         self.max_chunk_tokens = max_chunk_tokens
+        self.cache_class = cache
 
-    def allocate_cache(self, batch_size: int, max_length: int, start: int, end: int) -> KVCache:
-        """Zeroed caches for blocks [start, end) of this stack."""
-        shape = (batch_size, self.layout.n_kv_heads, max_length, self.layout.head_dim)
-        return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(start, end)
-        ]
+    def allocate_cache(self, batch_size: int, max_length: int, start: int, end: int) -> SessionKV:
+        """A zeroed session cache for blocks [start, end) of this stack, `max_length` positions each."""
+        return self.cache_class.allocate(
+            self.blocks[start - self.start : end - self.start], start, batch_size, max_length,
+            self.layout.n_kv_heads, self.layout.head_dim, self.dtype, self.device,
+        )
 
-    def chunks(self, batch: int, length: int) -> list[tuple[int, int]]:
+    def chunks(self, batch: int, length: int) -> ChunkRanges:
         """[offset, end) token ranges a (batch, length) step runs in: at most max_chunk_tokens (B x T) each, so
         attention memory stays bounded on long prefills."""
-        chunk = max(1, self.max_chunk_tokens // batch)
-        return [(offset, min(offset + chunk, length)) for offset in range(0, length, chunk)]
+        return chunk_ranges(batch, length, self.max_chunk_tokens)
 
     @torch.inference_mode()
-    def inference_step(self, hidden: torch.Tensor, cache: KVCache, position: int, start: int, end: int,
-                       prompts: torch.Tensor | None = None) -> torch.Tensor:
-        """Run hidden (B, T, H) through blocks [start, end) with the session cache; returns (B, T, H).
+    def inference_step(self, hidden: torch.Tensor, cache: SessionKV, position: int,
+                       prompts: torch.Tensor | None = None, chunks: ChunkRanges | None = None) -> torch.Tensor:
+        """Run hidden (B, T, H) at `position` through every block of `cache`; returns (B, T, H).
 
-        The merged step: every block (and every chunk, see `chunks`) in one call. Deep prompts (end - start, P, H)
-        are added before each block to the positions below P that this step holds (see `block_step`).
+        The merged step: every block and every chunk (default `self.chunks`) in one call. Deep prompts
+        (cache.end - cache.start, P, H) are added before each block to the positions below P that this step holds
+        (see `block_step`).
         """
         x = hidden.to(self.device, self.dtype)
         outputs = []
-        for offset, stop in self.chunks(x.shape[0], x.shape[1]):
+        for offset, stop in chunks or self.chunks(x.shape[0], x.shape[1]):
             part = x[:, offset:stop]  # (B, t, H)
-            for index in range(start, end):
-                part = self.block_step(part, cache, position + offset, index, start, prompts)
+            for index in range(cache.start, cache.end):
+                part = self.block_step(part, cache, position + offset, index, prompts)
             outputs.append(part)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     @torch.inference_mode()
-    def block_step(self, part: torch.Tensor, cache: KVCache, position: int, index: int, start: int,
+    def block_step(self, part: torch.Tensor, cache: SessionKV, position: int, index: int,
                    prompts: torch.Tensor | None = None) -> torch.Tensor:
-        """One chunk (B, t, H) at `position` through block `index` alone; cache[0] belongs to block `start`, and so
-        do prompts[0] (deep prompts, (end - start, P, H)): prompts[index - start] is added to the chunk's positions
+        """One chunk (B, t, H) at `position` through block `index` alone. Deep prompts (cache.end - cache.start,
+        P, H) start at the cache's first block: prompts[index - cache.start] is added to the chunk's positions
         below P first.
 
         Long prefills are scheduled as one such call per chunk and block, so other sessions' decode steps run
         in between instead of waiting for the whole prefill."""
         x = part.to(self.device, self.dtype)
         if prompts is not None:
-            x = add_prompt(x, prompts[index - start].to(self.device), position)
-        return self.blocks[index - self.start](x, cache[index - start], position)
+            x = add_prompt(x, prompts[index - cache.start].to(self.device), position)
+        return self.blocks[index - self.start](x, cache.kv(index), position)
 
     @torch.inference_mode()
-    def decode_batch(self, steps: list[DecodeStep]) -> list[torch.Tensor]:
+    def decode_batch(self, items: list[DecodeItem]) -> list[torch.Tensor]:
         """Single-token steps of several sessions over the same blocks, as one batched forward per block.
 
-        steps[i] = (hidden (B_i, 1, H), that session's cache, its position, start, end), all with the same
-        [start, end). Returns each step's output (B_i, 1, H), equal to running it alone with `inference_step`.
-        A padded session's step gives one position per row instead: the tokens that row's cache holds (see
-        server.padding), so its rows batch with everyone else's.
+        items[i] = (hidden (B_i, 1, H), that session's cache, its length), all caches over the same blocks.
+        Returns each item's output (B_i, 1, H), equal to running it alone with `inference_step`. A padded session
+        gives one length per row instead: the tokens that row's cache holds (see server.padding), so its rows
+        batch with everyone else's.
         """
-        if len(steps) == 1 and isinstance(steps[0][2], int):  # nothing to batch with: the plain cached step
-            hidden, cache, position, start, end = steps[0]
-            return [self.inference_step(hidden, cache, position, start, end)]
-        start, end = steps[0][3], steps[0][4]
-        x = torch.cat([hidden.to(self.device, self.dtype) for hidden, *_ in steps])  # (sum B_i, 1, H)
-        rows = [(cache, row, position if isinstance(position, int) else position[row])
-                for hidden, cache, position, _, _ in steps for row in range(hidden.shape[0])]
-        for index in range(start, end):
-            x = self.blocks[index - self.start](x, self.ragged_kv(rows, index - start), 0)
-        return list(x.split([hidden.shape[0] for hidden, *_ in steps]))
-
-    def kv_pairs(self, entry: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (keys, values) pairs one block's cache entry holds: here one; a stack that keeps another cache layout
-        (tensor parallelism: a pair per shard) overrides this, `cache_rows` and `ragged_kv`."""
-        return [entry]
-
-    def cache_rows(self, cache: KVCache, r0: int, r1: int) -> KVCache:
-        """Views of rows [r0, r1) of every block's cache entry: writes through them land in the session's cache."""
-        return [(keys[r0:r1], values[r0:r1]) for keys, values in cache]
-
-    def ragged_kv(self, rows: list[tuple[KVCache, int, int]], j: int) -> RaggedKV:
-        """What block j of a batched decode step takes as its cache: rows[i] = (session cache, row, position)."""
-        return RaggedKV(
-            [(cache[j][0][row : row + 1], cache[j][1][row : row + 1]) for cache, row, _ in rows],
-            [position for _, _, position in rows],
-        )
+        if len(items) == 1 and isinstance(items[0][2], int):  # nothing to batch with: the plain cached step
+            hidden, cache, length = items[0]
+            return [self.inference_step(hidden, cache, length)]
+        first = items[0][1]
+        x = torch.cat([hidden.to(self.device, self.dtype) for hidden, _, _ in items])  # (sum B_i, 1, H)
+        rows = [RaggedRow(cache, row, lengths if isinstance(lengths, int) else lengths[row])
+                for hidden, cache, lengths in items for row in range(hidden.shape[0])]
+        for index in range(first.start, first.end):
+            x = self.blocks[index - self.start](x, self.cache_class.ragged(rows, index), 0)
+        return list(x.split([hidden.shape[0] for hidden, _, _ in items]))
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start: int, end: int, prompts: torch.Tensor | None = None,

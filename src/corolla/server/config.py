@@ -105,7 +105,8 @@ class ServerConfig:
         default=None,
         metadata=_opt(
             "for failure tests: once this process gets SIGUSR1, every inference step fails with an error (fail), "
-            "has its stream dropped (drop) or never gets an answer (stall)",
-            choices=("fail", "drop", "stall"),
+            "has its stream dropped (drop) or never gets an answer (stall); or every output is subtly wrong, scaled "
+            "by 1.01 (corrupt)",
+            choices=("fail", "drop", "stall", "corrupt"),
         ),
     )

@@ -1,26 +1,35 @@
-"""RPC handlers on raw P2P streams: rpc_inference (a session per stream), rpc_forward, rpc_backward and rpc_info.
+"""RPC handlers on raw P2P streams: rpc_inference (a session per stream), rpc_forward, rpc_backward, rpc_info
+and rpc_probe. Each one only reads, checks, runs and writes:
 
-Every message from a client is validated here; a bad one gets an ErrorReply naming the problem, that session's
-cache is freed, and the server goes on serving everyone else. Nothing a client sends can raise out of a handler.
+    read_frame ──► RequestChecks (server.validation) ──► plan (server.planner) ──► Compute (server.scheduling,
+    (protocol.framing)                                                               or server.faults around it)
+                                                                             ──► write_frame
+
+Sessions (their cache reservation and KV cache) live in server.sessions. Every stream is accepted in one place,
+`_stream_adapter`, which also turns every failure into the one ErrorReply of that stream: a bad request gets an
+error naming the problem, that session's cache is freed, and the server goes on serving everyone else. Nothing a
+client sends can raise out of a handler. Peers of an older protocol version get an error naming both versions
+(protocol.compat).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import closing
-from typing import Awaitable, Callable, TypeVar
+from typing import TypeVar
 
 import torch
 
-from corolla.protocol import PROTOCOL_VERSION, rpc_handler_name
+from corolla.protocol import rpc_handler_name
+from corolla.protocol.compat import LEGACY_VERSIONS, discard_frame, legacy_error_frame
 from corolla.protocol.errors import ProtocolError
-from corolla.protocol.framing import read_frame, write_frame
+from corolla.protocol.framing import MAX_FRAME_BYTES, read_frame, version_mismatch, write_frame
 from corolla.protocol.messages import (
+    MAX_PROBE_BYTES,
     BackwardRequest,
     BackwardResult,
-    BlockRange,
     CloseSession,
     ErrorCode,
     ErrorReply,
@@ -29,7 +38,7 @@ from corolla.protocol.messages import (
     InferenceStep,
     InfoReply,
     InfoRequest,
-    MAX_PROBE_BYTES,
+    Message,
     OpenSession,
     ProbeReply,
     ProbeRequest,
@@ -38,35 +47,25 @@ from corolla.protocol.messages import (
 )
 from corolla.server.adapters import AdapterCalls
 from corolla.server.backend import BlockStack
-from corolla.server.backward import check_grad_output, check_prompts
 from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, PRIORITY_LONG_INFERENCE, ComputeWorker
+from corolla.server.compute import ComputeWorker
 from corolla.server.config import ServerConfig
+from corolla.server.faults import FaultInjector, Hangup
 from corolla.server.metrics import ServerMetrics
-from corolla.server.padding import (
-    check_hypo_ids,
-    check_mask,
-    check_prompt_slots,
-    masked_inference_step,
-    reorder_cache,
-)
+from corolla.server.planner import PlanLimits, plan
+from corolla.server.scheduling import Compute, Scheduler
+from corolla.server.sessions import ServerSession, SessionTable
+from corolla.server.validation import RequestChecks, RequestError
 
 logger = logging.getLogger(__name__)
 
-_Stateless = TypeVar("_Stateless", ForwardRequest, BackwardRequest)
 FIRST_MESSAGE_TIMEOUT = 30.0  # seconds a new stream may take to say what it wants
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class RequestError(Exception):
-    """A request this server refuses; becomes an ErrorReply to that client only."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
+_M = TypeVar("_M", bound=Message)
 
 
 class ConnectionHandler:
+    """The RPCs of one server's blocks; `register` them on a P2P node, `unregister` them to leave the blocks."""
+
     def __init__(
         self,
         stack: BlockStack,
@@ -78,14 +77,28 @@ class ConnectionHandler:
     ):
         self.stack = stack
         self.metrics = metrics or ServerMetrics()
-        self.allocator = allocator
         self.worker = worker
         self.config = config
         self.describe = describe
-        self.sessions: dict[str, asyncio.Task[None]] = {}
         self.shutting_down = False
-        self.fault_armed = False  # set by SIGUSR1 when config.inject_fault is given (failure tests)
         self.adapters = AdapterCalls(config.adapters)  # compute functions run with a request's LoRA adapter
+        self.checks = RequestChecks(stack.start, stack.end, stack.hidden_size, self.adapters, config.max_session_length)
+        # nf4 blocks are slow enough per token that only decode steps are merged
+        self.limits = PlanLimits(1 if config.quant == "nf4" else config.merge_max_tokens, stack.max_chunk_tokens)
+        self.table = SessionTable(stack, allocator, worker, config.max_alloc_timeout)
+        scheduler = Scheduler(stack, worker, self.adapters, config.step_timeout)
+        self.faults = None if config.inject_fault is None else FaultInjector(scheduler, config.inject_fault, config.step_timeout)
+        self.compute: Compute = self.faults or scheduler
+
+    @property
+    def sessions(self) -> dict[str, asyncio.Task[None]]:
+        """Open sessions by id, each the task serving its stream (cancelled on shutdown)."""
+        return self.table.tasks
+
+    def arm_fault(self) -> None:
+        """From now on misbehave as --inject-fault says (SIGUSR1); nothing without --inject-fault."""
+        if self.faults is not None:
+            self.faults.arm()
 
     def _handlers(self) -> dict[str, Handler]:
         return {
@@ -96,276 +109,98 @@ class ConnectionHandler:
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
         for verb, handler in self._handlers().items():
             await p2p.add_binary_stream_handler(rpc_handler_name(verb), _stream_adapter(handler, verb, self.metrics))
+            for version in LEGACY_VERSIONS:
+                await p2p.add_binary_stream_handler(rpc_handler_name(verb, version), _legacy_stream(version, verb, self.metrics))
 
     async def unregister(self, p2p) -> None:
         """Stop accepting new streams (the server is moving to other blocks); open sessions are ended elsewhere."""
         for verb in self._handlers():
-            await p2p.remove_binary_stream_handler(rpc_handler_name(verb))
+            for name in [rpc_handler_name(verb), *(rpc_handler_name(verb, version) for version in LEGACY_VERSIONS)]:
+                await p2p.remove_binary_stream_handler(name)
 
-    # ------------------------------------------------------------------ rpc_info
+    # ------------------------------------------------------------------ rpc_info, rpc_probe
     async def rpc_info(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        message, _ = await asyncio.wait_for(read_frame(reader, max_bytes=1 << 16), FIRST_MESSAGE_TIMEOUT)
-        if not isinstance(message, InfoRequest):
-            raise RequestError(ErrorCode.BAD_REQUEST, f"rpc_info expects an info request, got {message.kind}")
+        await _read_first(reader, InfoRequest, max_bytes=1 << 16)
         await write_frame(writer, self.describe())
 
-    # ------------------------------------------------------------------ rpc_probe
     async def rpc_probe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         """Another server measuring its bandwidth: take its payload, send back the bytes it asks for."""
-        message, tensors = await asyncio.wait_for(read_frame(reader, max_bytes=MAX_PROBE_BYTES + (1 << 16)), FIRST_MESSAGE_TIMEOUT)
-        if not isinstance(message, ProbeRequest):
-            raise RequestError(ErrorCode.BAD_REQUEST, f"rpc_probe expects a probe request, got {message.kind}")
-        await write_frame(writer, ProbeReply(), [torch.zeros(message.reply_bytes // 4, dtype=torch.int32)])
+        request, _ = await _read_first(reader, ProbeRequest, max_bytes=MAX_PROBE_BYTES + (1 << 16))
+        await write_frame(writer, ProbeReply(), {"payload": torch.zeros(request.reply_bytes // 4, dtype=torch.int32)})
 
-    # ------------------------------------------------------------------ rpc_forward
-    async def _read_stateless_request(self, reader: asyncio.StreamReader, kind: type[_Stateless]) -> tuple[_Stateless, list[torch.Tensor]]:
-        """The one request of a forward/backward stream, checked: its kind, protocol version, blocks and adapter."""
-        message, tensors = await asyncio.wait_for(read_frame(reader), FIRST_MESSAGE_TIMEOUT)
-        if not isinstance(message, kind):
-            raise RequestError(ErrorCode.BAD_REQUEST, f"expected a {kind.model_fields['kind'].default} request, got {message.kind}")
-        self._check_version(message.protocol_version)
-        self._check_blocks(message.blocks)
-        self._check_adapter(message.active_adapter)
-        return message, tensors
-
+    # ------------------------------------------------------------------ rpc_forward, rpc_backward
     async def rpc_forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        message, tensors = await self._read_stateless_request(reader, ForwardRequest)
-        hidden = self._check_hidden(tensors[:1], batch_size=None)
-        mask, prompts = self._extras(tensors[1:], hidden, message.blocks, hidden.shape[1])
-        forward = self.adapters.bind(self.stack.forward, message.active_adapter)
-        output = await self.worker.run(PRIORITY_FORWARD, forward, hidden, message.blocks.start, message.blocks.end, prompts, mask)
-        await write_frame(writer, ForwardResult(), [output.to(hidden.dtype)])
+        request, tensors = await _read_first(reader, ForwardRequest)
+        self.checks.stateless(request)
+        hidden, mask, prompts = self.checks.forward(request, tensors)
+        blocks = request.blocks
+        output = await self.compute.forward(hidden, blocks.start, blocks.end, request.active_adapter, prompts, mask)
+        await write_frame(writer, ForwardResult(), {"hidden": output.to(hidden.dtype)})
 
-    # ------------------------------------------------------------------ rpc_backward
     async def rpc_backward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        """Tensors [hidden, grad_output] and optionally an attention mask and/or deep prompts, as rpc_forward takes
-        them -> [grad_hidden] (+ [grad_prompts])."""
-        message, tensors = await self._read_stateless_request(reader, BackwardRequest)
-        if not 2 <= len(tensors) <= 4:
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"rpc_backward expects tensors [hidden, grad_output(, attention_mask)(, prompts)], got {len(tensors)}",
-            )
-        hidden = self._check_hidden(tensors[:1], batch_size=None)
-        try:
-            grad_output = check_grad_output(tensors[1], hidden)
-        except ValueError as e:
-            raise RequestError(ErrorCode.BAD_REQUEST, str(e)) from None
-        mask, prompts = self._extras(tensors[2:], hidden, message.blocks, hidden.shape[1])
-        blocks = message.blocks
-        grad_hidden, grad_prompts = await self.worker.run(
-            PRIORITY_FORWARD, self.adapters.bind(self.stack.backward, message.active_adapter), hidden, grad_output,
-            blocks.start, blocks.end, prompts, mask,
-        )
-        grads = [grad_hidden.to(hidden.dtype)] + ([] if grad_prompts is None else [grad_prompts.to(prompts.dtype)])
+        """hidden, grad_output (and an attention mask and deep prompts, as rpc_forward takes them) ->
+        grad_hidden (and grad_prompts)."""
+        request, tensors = await _read_first(reader, BackwardRequest)
+        self.checks.stateless(request)
+        hidden, grad_output, mask, prompts = self.checks.backward(request, tensors)
+        blocks = request.blocks
+        grad_hidden, grad_prompts = await self.compute.backward(
+            hidden, grad_output, blocks.start, blocks.end, request.active_adapter, prompts, mask)
+        grads = {"grad_hidden": grad_hidden.to(hidden.dtype)}
+        if grad_prompts is not None and prompts is not None:
+            grads["grad_prompts"] = grad_prompts.to(prompts.dtype)
         await write_frame(writer, BackwardResult(), grads)
 
     # ------------------------------------------------------------------ rpc_inference
     async def rpc_inference(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        message, _ = await asyncio.wait_for(read_frame(reader, max_bytes=1 << 16), FIRST_MESSAGE_TIMEOUT)
-        if not isinstance(message, OpenSession):
-            raise RequestError(ErrorCode.BAD_REQUEST, f"an inference stream must start with open_session, got {message.kind}")
+        """open_session, then inference steps until close_session: each step read, checked, planned, run, answered."""
+        request, _ = await _read_first(reader, OpenSession, max_bytes=1 << 16)
         if self.shutting_down:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "server is shutting down")
-        self._check_version(message.protocol_version)
-        self._check_blocks(message.blocks)
-        self._check_adapter(message.active_adapter)
-        if message.max_length > self.config.max_session_length:
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"max_length={message.max_length} exceeds this server's limit of {self.config.max_session_length} tokens",
-            )
-        session_id = uuid.uuid4().hex
-        tokens = message.batch_size * message.max_length
-        timeout = min(message.alloc_timeout, self.config.max_alloc_timeout)
-        if not await self.allocator.reserve(session_id, tokens, timeout):
-            budget = self.allocator.budget
-            raise RequestError(
-                ErrorCode.SERVER_FULL,
-                f"server full: could not reserve {tokens} cache tokens within {timeout:.1f}s "
-                f"(free {budget.free} of {budget.total})",
-            )
-        task = asyncio.current_task()
-        assert task is not None
-        self.sessions[session_id] = task
-        blocks = message.blocks
-        adapter = message.active_adapter
-        try:
-            logger.debug("session.open id=%s peer=%s blocks=%s max_length=%d batch=%d", session_id, peer, blocks, message.max_length, message.batch_size)
-            cache = await self.worker.run(
-                PRIORITY_INFERENCE, self.stack.allocate_cache, message.batch_size, message.max_length, blocks.start, blocks.end
-            )
-            await write_frame(writer, SessionOpened(session_id=session_id, max_length=message.max_length))
-            position = 0
+        self.checks.open_session(request)
+        async with self.table.open(request, peer) as session:
+            await write_frame(writer, SessionOpened(session_id=session.id, max_length=session.max_length))
             while True:
                 try:
-                    step, tensors = await asyncio.wait_for(read_frame(reader), self.config.session_timeout)
+                    message, tensors = await asyncio.wait_for(read_frame(reader), self.config.session_timeout)
                 except asyncio.TimeoutError:
                     raise RequestError(ErrorCode.TIMEOUT, f"session idle for more than {self.config.session_timeout:.0f}s") from None
-                if isinstance(step, CloseSession):
+                if isinstance(message, CloseSession):
                     return
-                if not isinstance(step, InferenceStep):
-                    raise RequestError(ErrorCode.BAD_REQUEST, f"expected an inference step, got {step.kind}")
-                hidden = self._check_hidden(tensors[:1], batch_size=message.batch_size)
-                if step.position > position:
-                    raise RequestError(
-                        ErrorCode.BAD_REQUEST, f"step at position {step.position}, but the session holds only {position} tokens"
-                    )
-                mask, prompts = self._extras(tensors[1:], hidden, blocks, step.position + hidden.shape[1], message.max_length)
-                if prompts is not None and step.position >= prompts.shape[1]:
-                    prompts = None  # the step holds no prompt position: the ordinary (batched) paths apply
-                if step.hypo_ids is not None:
-                    problem = check_hypo_ids(step.hypo_ids, message.batch_size)
-                    if problem is not None:
-                        raise RequestError(ErrorCode.BAD_REQUEST, problem)
-                if self.fault_armed and self.config.inject_fault is not None:
-                    await self._inject_fault(self.config.inject_fault)
-                    return  # "drop": end the stream without an answer
-                new_position = step.position + hidden.shape[1]
-                if new_position > message.max_length:
-                    raise RequestError(
-                        ErrorCode.SESSION_FULL,
-                        f"step would reach {new_position} tokens, past the session's max_length={message.max_length}",
-                    )
-                if step.hypo_ids is not None:  # beam search: rows follow their hypotheses before the step
-                    await self.worker.run(PRIORITY_INFERENCE, reorder_cache, self.stack, cache, step.hypo_ids, step.position)
-                work = self._step_work(hidden, mask, prompts, cache, step.position, blocks, adapter)
-                try:
-                    output = await asyncio.wait_for(work, self.config.step_timeout)
-                except asyncio.TimeoutError:
-                    raise RequestError(ErrorCode.TIMEOUT, f"step took more than {self.config.step_timeout:.0f}s") from None
-                position = new_position
-                await write_frame(writer, StepResult(step_id=step.step_id, position=position), [output.to(hidden.dtype)])
-        finally:
-            self.sessions.pop(session_id, None)
-            self.allocator.release(session_id)
-            logger.debug("session.close id=%s free_tokens=%d", session_id, self.allocator.budget.free)
+                if not isinstance(message, InferenceStep):
+                    raise RequestError(ErrorCode.BAD_REQUEST, f"expected an inference step, got {message.kind}")
+                result, output = await self.run_step(session, message, tensors)
+                await write_frame(writer, result, {"hidden": output})
 
-    def _step_work(self, hidden: torch.Tensor, mask: torch.Tensor | None, prompts: torch.Tensor | None, cache,
-                   position: int, blocks: BlockRange, adapter: str | None) -> Awaitable[torch.Tensor]:
-        """The compute work of one checked inference step, by kind:
+    async def run_step(self, session: ServerSession, message: InferenceStep, tensors: Mapping[str, torch.Tensor]
+                       ) -> tuple[StepResult, torch.Tensor]:
+        """Check, plan and run one inference step of `session`, wherever it came from; returns the answer and the
+        blocks' output (B, T, H) in the dtype it was sent in. A step from an earlier position rolls the session
+        back first. Raises RequestError for a step this session cannot take."""
+        step = self.checks.step(message, tensors, batch_size=session.batch_size, held=session.position,
+                                max_length=session.max_length, num_blocks=session.num_blocks)
+        output = await self.compute.step(session, step, plan(step, session, self.limits))
+        session.advance(step)
+        return StepResult(step_id=step.step_id, position=session.position), output.to(step.hidden.dtype)
 
-        - a decode step (one token per row, no deep prompts): batched with other sessions' steps over the same blocks
-          and adapter; a padded session's rows each at their own length;
-        - another padded step: its rows grouped by length and real slots (server.padding);
-        - a short step (at most merge_max_tokens, batch x tokens): one task through every block;
-        - a long prefill: one task per chunk and block, at a lower priority (`_long_step`).
-        """
-        if hidden.shape[1] == 1 and prompts is None and (mask is None or bool(mask[:, -1].all())):
-            rows = position if mask is None else mask[:, :position].to(torch.int64).sum(dim=1).tolist()  # tokens held
-            return self.worker.run_batched(
-                PRIORITY_INFERENCE, self.adapters.bind(self.stack.decode_batch, adapter),
-                (blocks.start, blocks.end, adapter), (hidden, cache, rows, blocks.start, blocks.end),
-            )
-        if mask is not None:
-            return self.worker.run(
-                PRIORITY_INFERENCE, self.adapters.bind(masked_inference_step, adapter), self.stack, hidden, mask,
-                cache, position, blocks.start, blocks.end, prompts,
-            )
-        if hidden.shape[0] * hidden.shape[1] <= self._merge_max_tokens():
-            return self.worker.run(
-                PRIORITY_INFERENCE, self.adapters.bind(self.stack.inference_step, adapter),
-                hidden, cache, position, blocks.start, blocks.end, prompts,
-            )
-        return self._long_step(hidden, cache, position, blocks, adapter, prompts)
 
-    def _merge_max_tokens(self) -> int:
-        """Longest step (batch x tokens) that runs through all blocks as one compute task; nf4 blocks are slow
-        enough per token that only decode steps are merged."""
-        return 1 if self.config.quant == "nf4" else self.config.merge_max_tokens
-
-    async def _long_step(self, hidden: torch.Tensor, cache, position: int, blocks: BlockRange, adapter: str | None = None,
-                         prompts: torch.Tensor | None = None) -> torch.Tensor:
-        """A long prefill as one compute task per chunk and block, at a lower priority than short steps: other
-        sessions keep decoding while it runs. Same result as the merged `inference_step`."""
-        block_step, outputs = self.adapters.bind(self.stack.block_step, adapter), []
-        for offset, stop in self.stack.chunks(hidden.shape[0], hidden.shape[1]):
-            part = hidden[:, offset:stop]
-            for index in range(blocks.start, blocks.end):
-                part = await self.worker.run(
-                    PRIORITY_LONG_INFERENCE, block_step, part, cache, position + offset, index, blocks.start, prompts
-                )
-            outputs.append(part)
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-
-    async def _inject_fault(self, fault: str) -> None:
-        logger.warning("injecting fault %r into an inference step", fault)
-        if fault == "fail":
-            raise RequestError(ErrorCode.INTERNAL, "injected fault")
-        if fault == "stall":
-            await asyncio.sleep(self.config.step_timeout)
-            raise RequestError(ErrorCode.TIMEOUT, "injected stall")
-
-    # ------------------------------------------------------------------ validation
-    def _check_version(self, version: int) -> None:
-        if version != PROTOCOL_VERSION:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"protocol version {version} unsupported; this server speaks {PROTOCOL_VERSION}")
-
-    def _check_blocks(self, blocks: BlockRange) -> None:
-        if blocks.start < self.stack.start or blocks.end > self.stack.end:
-            raise RequestError(
-                ErrorCode.NOT_SERVED, f"blocks {blocks} are not served here (this server holds {self.stack.start}:{self.stack.end})"
-            )
-
-    def _check_adapter(self, name: str | None) -> None:
-        problem = self.adapters.problem(name)
-        if problem is not None:
-            raise RequestError(ErrorCode.BAD_REQUEST, problem)
-
-    def _extras(self, extras: list[torch.Tensor], hidden: torch.Tensor, blocks: BlockRange, mask_length: int,
-                max_positions: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(attention_mask, deep prompts) from the tensors after `hidden` in a forward request or inference step,
-        told apart by dtype: a mask (batch, mask_length) is bool or integer, prompts (end - start, P, H) are floating
-        point, with P <= max_positions (default: hidden's length). Each may appear once; with both, the first P
-        slots of every row must be real."""
-        masks = [t for t in extras if not t.is_floating_point()]
-        prompts = [t for t in extras if t.is_floating_point()]
-        if len(masks) > 1 or len(prompts) > 1:
-            raise RequestError(ErrorCode.BAD_REQUEST, "expected hidden states, then at most one attention mask and one "
-                                                      f"prompts tensor; got {len(extras)} extra tensors")
-        mask = None
-        if masks:
-            problem = check_mask(masks[0], hidden.shape[0], mask_length)
-            if problem is not None:
-                raise RequestError(ErrorCode.BAD_REQUEST, problem)
-            mask = masks[0]
-        if not prompts:
-            return mask, None
-        try:
-            prompt = check_prompts(prompts[0], hidden, blocks.end - blocks.start, max_positions)
-        except ValueError as e:
-            raise RequestError(ErrorCode.BAD_REQUEST, str(e)) from None
-        problem = None if mask is None else check_prompt_slots(mask, prompt.shape[1])
-        if problem is not None:
-            raise RequestError(ErrorCode.BAD_REQUEST, problem)
-        return mask, prompt
-
-    def _check_hidden(self, tensors: list[torch.Tensor], batch_size: int | None) -> torch.Tensor:
-        if len(tensors) != 1:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"expected exactly one tensor (hidden states), got {len(tensors)}")
-        hidden = tensors[0]
-        if hidden.dtype not in _FLOAT_DTYPES:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"hidden states must be float32/bfloat16/float16, got {hidden.dtype}")
-        if hidden.ndim != 3 or hidden.shape[2] != self.stack.hidden_size:
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"hidden states must have shape (batch, length, {self.stack.hidden_size}), got {tuple(hidden.shape)}",
-            )
-        if hidden.shape[1] == 0 or hidden.shape[0] == 0:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"empty hidden states {tuple(hidden.shape)}")
-        if batch_size is not None and hidden.shape[0] != batch_size:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"batch size {hidden.shape[0]} differs from the session's {batch_size}")
-        if not torch.isfinite(hidden).all():
-            raise RequestError(ErrorCode.BAD_REQUEST, "hidden states contain NaN or inf")
-        return hidden
+async def _read_first(reader: asyncio.StreamReader, kind: type[_M], max_bytes: int = MAX_FRAME_BYTES
+                      ) -> tuple[_M, dict[str, torch.Tensor]]:
+    """The first message of a stream, which must be a `kind`, and its tensors."""
+    message, tensors = await asyncio.wait_for(read_frame(reader, max_bytes=max_bytes), FIRST_MESSAGE_TIMEOUT)
+    if not isinstance(message, kind):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"this stream takes {kind.model_fields['kind'].default}, got {message.kind}")
+    return message, tensors
 
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
+ReplyWriter = Callable[[asyncio.StreamWriter, ErrorReply], Awaitable[None]]
 
 
-def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics):
-    """Wrap a handler so every failure becomes an ErrorReply on its own stream and nothing escapes; `metrics`
-    counts the stream, its bytes and its error reply."""
+def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_with: ReplyWriter = write_frame):
+    """Wrap a handler so every failure becomes an ErrorReply on its own stream (written by `reply_with`) and
+    nothing escapes. The one place where streams are accepted and errors replied; `metrics` counts the stream
+    (as `verb`), its bytes and its error reply."""
 
     async def on_stream(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id.to_base58()
@@ -383,6 +218,8 @@ def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics):
             except asyncio.TimeoutError:
                 logger.info("request timed out peer=%s", peer)
                 reply = ErrorReply(code=ErrorCode.TIMEOUT, message="timed out waiting for the request")
+            except Hangup:
+                logger.info("stream dropped on purpose peer=%s", peer)
             except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError):
                 logger.debug("stream closed by peer=%s", peer)
             except asyncio.CancelledError:
@@ -393,8 +230,23 @@ def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics):
             if reply is not None:
                 metrics.observe_error(verb, reply.code.value)
                 try:
-                    await asyncio.wait_for(write_frame(writer, reply), 5.0)
+                    await asyncio.wait_for(reply_with(writer, reply), 5.0)
                 except (ConnectionError, asyncio.TimeoutError, RuntimeError, OSError):
                     logger.debug("could not deliver error to peer=%s", peer)
 
     return on_stream
+
+
+def _legacy_stream(version: int, verb: str, metrics: ServerMetrics):
+    """The stream handler of an older protocol `version`'s handler name: an error naming both versions, in the
+    frame format that version's peers read (protocol.compat)."""
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+        await asyncio.wait_for(discard_frame(reader), FIRST_MESSAGE_TIMEOUT)
+        raise RequestError(ErrorCode.BAD_REQUEST, version_mismatch(version))
+
+    async def reply_with(writer: asyncio.StreamWriter, error: ErrorReply) -> None:
+        writer.write(legacy_error_frame(version, error.message))
+        await writer.drain()
+
+    return _stream_adapter(refuse, verb, metrics, reply_with)

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 # what each compute function of the block stacks is, as a step path; other tasks (cache set-up, reordering) are not steps
 STEP_PATHS = {
     "decode_batch": "decode",  # single-token steps of many sessions, batched
-    "masked_inference_step": "padded",  # a padded batch's step, rows grouped by length
+    "padded_step": "padded",  # a padded batch's step, rows grouped by length
     "inference_step": "merged",  # a short step through every block as one task
     "block_step": "chunked",  # one chunk of a long prefill through one block
     "forward": "forward",

@@ -38,12 +38,12 @@ async def probe_once(p2p: P2P, peer_id: str, send_bytes: int, reply_bytes: int, 
     try:
         payload = torch.zeros(send_bytes // 4, dtype=torch.int32)
         begin = time.perf_counter()
-        await write_frame(writer, ProbeRequest(reply_bytes=reply_bytes), [payload])
+        await write_frame(writer, ProbeRequest(reply_bytes=reply_bytes), {"payload": payload})
         reply, tensors = await asyncio.wait_for(read_frame(reader, max_bytes=MAX_PROBE_BYTES + (1 << 16)), timeout)
         elapsed = time.perf_counter() - begin
     finally:
         writer.close()
-    if not isinstance(reply, ProbeReply) or len(tensors) != 1 or tensors[0].numel() * 4 != reply_bytes // 4 * 4:
+    if not isinstance(reply, ProbeReply) or tensors["payload"].numel() != reply_bytes // 4:
         raise ConnectionError(f"peer {peer_id} answered a probe with {reply.kind}")
     return elapsed
 

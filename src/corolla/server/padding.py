@@ -10,15 +10,20 @@ Every family's block then needs nothing new: rotary and ALiBi positions, key mas
 follow from each row's own length. Rows that hold the same number of tokens and get the same real slots in a
 step run together as one batched block call; single-token steps of rows at different lengths go through the
 ragged (per-row position) attention that continuous batching uses. The output at a padded slot is its input.
+Which rows go together is decided by the planner (`server.planner.padded_plan`); `padded_step` carries it out.
 
-Everything here runs on the compute thread.
+Beam search's `hypo_ids` reorder a session's cache rows (`SessionKV.reorder`) before the step.
+
+The steps run on the compute thread; the checks are called by server.validation on the event loop.
 """
 
 from __future__ import annotations
 
 import torch
 
-from corolla.server.backend import BlockStack, KVCache
+from corolla.server.backend import BlockStack, DecodeItem
+from corolla.server.kv_cache import SessionKV
+from corolla.server.planner import Padded, padded_plan
 
 
 def check_hypo_ids(hypo_ids: list[int], batch_size: int) -> str | None:
@@ -52,56 +57,32 @@ def check_prompt_slots(mask: torch.Tensor, prompt_length: int) -> str | None:
 
 
 @torch.inference_mode()
-def reorder_cache(stack: BlockStack, cache: KVCache, hypo_ids: list[int], length: int) -> None:
-    """In place: row i of every block's keys and values becomes old row hypo_ids[i], over slots [0, length)."""
-    ids = torch.tensor(hypo_ids, dtype=torch.long)
-    if torch.equal(ids, torch.arange(len(hypo_ids))):
-        return  # the identity: nothing moves (common when every beam continued itself)
-    for entry in cache:
-        for keys, values in stack.kv_pairs(entry):
-            ids = ids.to(keys.device)
-            for tensor in (keys, values):  # (B, n_kv_heads, S_max, head_dim)
-                tensor[:, :, :length] = tensor[:, :, :length].index_select(0, ids)
+def padded_step(stack: BlockStack, hidden: torch.Tensor, cache: SessionKV, plan: Padded,
+                prompts: torch.Tensor | None = None) -> torch.Tensor:
+    """Carry out a Padded plan: hidden (B, T, H) -> (B, T, H), each run of rows on its real slots only.
 
-
-def _runs(starts: list[int], patterns: list[tuple[bool, ...]]) -> list[tuple[int, int]]:
-    """Maximal ranges [r0, r1) of consecutive rows sharing the same start and the same real-slot pattern."""
-    runs: list[tuple[int, int]] = []
-    for row in range(len(starts)):
-        if runs and starts[row] == starts[runs[-1][0]] and patterns[row] == patterns[runs[-1][0]]:
-            runs[-1] = (runs[-1][0], row + 1)
-        else:
-            runs.append((row, row + 1))
-    return runs
-
-
-@torch.inference_mode()
-def masked_inference_step(
-    stack: BlockStack, hidden: torch.Tensor, mask: torch.Tensor, cache: KVCache, position: int, start: int, end: int,
-    prompts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A session step of hidden (B, T, H) at `position` with attention_mask (B, position + T); returns (B, T, H).
-
-    Row i holds mask[i, :position].sum() tokens in its cache; its real slots of this step are appended there.
-    Deep prompts (end - start, P, H) need the first P slots of every row to be real (`check_prompt_slots`): they
+    Deep prompts (n_blocks, P, H) need the first P slots of every row to be real (`check_prompt_slots`): they
     then stay each row's positions [0, P).
     """
     x = hidden.to(stack.device, stack.dtype)
-    mask = mask.to(torch.bool).cpu()
-    starts = mask[:, :position].sum(dim=1).tolist()  # tokens each row holds before this step
-    new = mask[:, position:]  # (B, T): which slots of this step are real
     out = x.clone()  # padded slots pass through unchanged
-    if x.shape[1] == 1 and len(set(starts)) > 1:
-        rows = new[:, 0].nonzero().flatten().tolist()
-        if rows:
-            outputs = stack.decode_batch([(x[r : r + 1], stack.cache_rows(cache, r, r + 1), starts[r], start, end) for r in rows])
-            out[rows] = torch.cat(outputs)
+    if plan.ragged:  # one token per row, rows at different lengths: one batched call over the real rows
+        outputs = stack.decode_batch([DecodeItem(x[run.r0 : run.r1], cache.rows(run.r0, run.r1), run.length)
+                                      for run in plan.runs])
+        for run, output in zip(plan.runs, outputs):
+            out[run.r0 : run.r1] = output
         return out
-    patterns = [tuple(row) for row in new.tolist()]
-    for r0, r1 in _runs(starts, patterns):
-        slots = new[r0].nonzero().flatten()  # (n,) the real slots of these rows
-        if slots.numel() == 0:
-            continue
-        part = x[r0:r1, slots]  # (b, n, H)
-        out[r0:r1, slots] = stack.inference_step(part, stack.cache_rows(cache, r0, r1), starts[r0], start, end, prompts)
+    for run in plan.runs:
+        slots = torch.tensor(run.slots, device=x.device)  # (n,) the real slots of these rows
+        part = x[run.r0 : run.r1, slots]  # (b, n, H)
+        out[run.r0 : run.r1, slots] = stack.inference_step(part, cache.rows(run.r0, run.r1), run.length, prompts)
     return out
+
+
+def masked_inference_step(stack: BlockStack, hidden: torch.Tensor, mask: torch.Tensor, cache: SessionKV,
+                          position: int, prompts: torch.Tensor | None = None) -> torch.Tensor:
+    """A session step of hidden (B, T, H) at `position` with attention_mask (B, position + T): plans and runs it.
+
+    Row i holds mask[i, :position].sum() tokens in its cache; its real slots of this step are appended there.
+    """
+    return padded_step(stack, hidden, cache, padded_plan(mask.cpu(), position), prompts)

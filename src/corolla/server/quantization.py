@@ -25,18 +25,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from corolla.models.mixtral.block import MixtralExperts
-from corolla.protocol.messages import QUANT_MODES
+from corolla.protocol.messages import QUANT_MODES, QuantMode
 
 logger = logging.getLogger(__name__)
 
-QuantMode = Literal["none", "int8", "nf4"]  # = QUANT_MODES
 
 INT8_THRESHOLD = 6.0  # LLM.int8() outlier threshold: input columns above it are computed in fp16
 NF4_BLOCKSIZE = 64  # weights per absmax block (bitsandbytes' default)
@@ -45,10 +42,10 @@ _SKIPPED_LINEARS = frozenset({"gate"})  # MoE routers (see the module docstring)
 
 
 def check_quant_mode(mode: str) -> QuantMode:
-    """``mode`` itself if it is one of ``QUANT_MODES``; otherwise ``ValueError`` listing them."""
+    """``mode`` as a ``QuantMode`` (which compares equal to its string); ``ValueError`` listing them if unknown."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
-    return mode  # type: ignore[return-value]
+    return QuantMode(mode)
 
 
 class QuantizedExperts(nn.Module):

@@ -36,10 +36,10 @@ from corolla.server.metrics import ServerMetrics
 from corolla.server.network import announced_throughput, measure_bandwidth, network_tokens_per_second
 from corolla.server.quantization import check_quant_mode, estimate_block_bytes, quantize_block, resident_bytes
 from corolla.server.tensor_parallel import (
-    TensorParallelStack,
     build_tensor_parallel_block,
     check_tensor_parallel,
     measure_throughput,
+    tensor_parallel_stack,
 )
 from corolla.server.throughput import cached_throughput, load_cached, measure_block_throughput, store_cached
 
@@ -153,7 +153,7 @@ class Server:
     def _arm_fault(self) -> None:
         assert self.handler is not None
         logger.warning("SIGUSR1: inference steps now %s (--inject-fault)", self.config.inject_fault)
-        self.handler.fault_armed = True
+        self.handler.arm_fault()
 
     async def _serve_blocks(self, announcer: Announcer, worker: ComputeWorker) -> None:
         """JOINING -> load blocks start_block:end_block, open their cache and RPCs -> ONLINE ("serving blocks A:B")."""
@@ -355,7 +355,7 @@ class Server:
         )
         if tp_devices:
             logger.info("tensor parallel: each block split over %d devices: %s", len(tp_devices), " ".join(tp_devices))
-            return TensorParallelStack(
+            return tensor_parallel_stack(
                 blocks, self.start_block, self.model_config.hidden_size, KVLayout(n_kv_heads, head_dim),
                 self.dtype, self.config.max_chunk_tokens,
             )
@@ -380,7 +380,7 @@ class Server:
             "device": str(self.device), "dtype": self.dtype_name, "threads": torch.get_num_threads(),
             **({"quant": self.config.quant} if self.config.quant != "none" else {}),  # unquantized keys stay as before
         }
-        if isinstance(self.stack, TensorParallelStack):
+        if self.config.tensor_parallel_devices:
             key["tensor_parallel_devices"] = list(self.config.tensor_parallel_devices)
             return cached_throughput(key, lambda: measure_throughput(self.stack))
         return cached_throughput(

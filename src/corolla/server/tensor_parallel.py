@@ -18,9 +18,9 @@ groups, the MLP by inner features): `corolla.models.llama.sharding` (Llama famil
 full block's branch output.
 
 Each shard keeps the KV cache of its own KV heads on its own device, so a session's cache for one block is
-one (k_cache, v_cache) pair per shard:
+one (k_cache, v_cache) pair per shard (`server.kv_cache.ShardedKV`, which a `tensor_parallel_stack` allocates):
 
-    cache[j] = ((k_0, v_0), (k_1, v_1), ...)     k_s, v_s: (B, n_kv_heads_s, S_max, head_dim) on devices[s]
+    cache.kv(i) = ((k_0, v_0), (k_1, v_1), ...)     k_s, v_s: (B, n_kv_heads_s, S_max, head_dim) on devices[s]
 
 Falcon-7B's single (multi-query) KV head cannot be split: every shard holds a copy of it and of its cache.
 
@@ -54,12 +54,13 @@ from corolla.models.llama.sharding import (
 from corolla.models.ragged import RaggedKV
 from corolla.models.registry import ModelFamily
 from corolla.server.backend import BlockStack, KVLayout
+from corolla.server.kv_cache import ShardedKV
 from corolla.server.quantization import check_quant_mode, quantize_block
 
 logger = logging.getLogger(__name__)
 
 ShardKV = tuple[Tensor, Tensor] | RaggedKV  # what one shard's block takes as its cache
-ShardedKV = tuple[tuple[Tensor, Tensor], ...]  # one block's session cache: a (k_cache, v_cache) pair per shard
+ShardPairs = tuple[tuple[Tensor, Tensor], ...]  # one block's session cache: a (k_cache, v_cache) pair per shard
 
 
 class BlockShard(Protocol):
@@ -117,7 +118,7 @@ class TensorParallelBlock(nn.Module):
         self.shards = nn.ModuleList(_placed(shard, torch.device(device)) for shard, device in zip(shards, devices))
         self.devices = [torch.device(d) for d in devices]
 
-    def allocate_kv(self, batch_size: int, max_length: int, dtype: torch.dtype) -> ShardedKV:
+    def allocate_kv(self, batch_size: int, max_length: int, dtype: torch.dtype) -> ShardPairs:
         """Zeroed caches, per shard (B, n_kv_heads_s, max_length, head_dim) keys and values on its device."""
         pairs = []
         for shard, device in zip(self.shards, self.devices):
@@ -167,38 +168,16 @@ def _placed(shard: nn.Module, device: torch.device) -> nn.Module:
     return shard.to(device)
 
 
-class TensorParallelStack(BlockStack):
-    """A `BlockStack` of `TensorParallelBlock`s: session caches are per shard (see the module docstring).
+def tensor_parallel_stack(blocks: list[TensorParallelBlock], start: int, hidden_size: int, layout: KVLayout,
+                          dtype: torch.dtype, max_chunk_tokens: int = 2048) -> BlockStack:
+    """A `BlockStack` of `TensorParallelBlock`s, on their first device, whose session caches are per shard
+    (`ShardedKV`).
 
-    ``layout`` is the family's per-block KV layout; the stack's own ``layout`` counts every shard's KV heads, so
-    cache memory accounting includes the copies of a replicated KV head (Falcon multi-query).
+    ``layout`` is the family's per-block KV layout; the stack's own counts every shard's KV heads, so cache memory
+    accounting includes the copies of a replicated KV head (Falcon multi-query).
     """
-
-    def __init__(self, blocks: list[TensorParallelBlock], start: int, hidden_size: int, layout: KVLayout,
-                 dtype: torch.dtype, max_chunk_tokens: int = 2048) -> None:
-        layout = KVLayout(sum(shard.n_kv_heads for shard in blocks[0].shards), layout.head_dim)
-        super().__init__(blocks, start, hidden_size, layout, dtype, blocks[0].devices[0], max_chunk_tokens)
-        self.devices = blocks[0].devices
-
-    def allocate_cache(self, batch_size: int, max_length: int, start: int, end: int) -> list[ShardedKV]:
-        """Zeroed per-shard caches for blocks [start, end); ``layout`` counts all shards' KV heads together."""
-        return [self.blocks[i - self.start].allocate_kv(batch_size, max_length, self.dtype) for i in range(start, end)]
-
-    def kv_pairs(self, entry: ShardedKV) -> list[tuple[Tensor, Tensor]]:
-        """One block's cache entry holds a (keys, values) pair per shard."""
-        return list(entry)
-
-    def cache_rows(self, cache: list[ShardedKV], r0: int, r1: int) -> list[ShardedKV]:
-        """Views of rows [r0, r1) of every shard's keys and values, per block."""
-        return [tuple((keys[r0:r1], values[r0:r1]) for keys, values in entry) for entry in cache]
-
-    def ragged_kv(self, rows: list[tuple[list[ShardedKV], int, int]], j: int) -> tuple[RaggedKV, ...]:
-        """Block j's batched-decode cache: one `RaggedKV` per shard over the rows' (cache, row, position)."""
-        positions = [position for _, _, position in rows]
-        return tuple(
-            RaggedKV([(cache[j][s][0][row : row + 1], cache[j][s][1][row : row + 1]) for cache, row, _ in rows], positions)
-            for s in range(len(self.devices))
-        )
+    layout = KVLayout(sum(shard.n_kv_heads for shard in blocks[0].shards), layout.head_dim)
+    return BlockStack(blocks, start, hidden_size, layout, dtype, blocks[0].devices[0], max_chunk_tokens, cache=ShardedKV)
 
 
 def build_tensor_parallel_block(family: ModelFamily, config: PretrainedConfig, block: nn.Module,
@@ -216,16 +195,17 @@ def build_tensor_parallel_block(family: ModelFamily, config: PretrainedConfig, b
     return TensorParallelBlock(placed, [torch.device(d) for d in devices])
 
 
-def measure_throughput(stack: TensorParallelStack, steps: int = 20) -> float:
-    """Single-token decode steps per second through the stack's first block (median of ``steps`` timed runs)."""
+def measure_throughput(stack: BlockStack, steps: int = 20) -> float:
+    """Single-token decode steps per second through the first block of a `tensor_parallel_stack` (median of
+    ``steps`` timed runs)."""
     cache = stack.allocate_cache(1, steps + 4, stack.start, stack.start + 1)
     x = torch.randn(1, 1, stack.hidden_size, dtype=stack.dtype, device=stack.device)
     times = []
     with torch.inference_mode():
         for position in range(steps + 2):
             begin = time.perf_counter()
-            stack.blocks[0](x, cache[0], position)
-            for device in {d for d in stack.devices if d.type == "cuda"}:
+            stack.blocks[0](x, cache.kv(stack.start), position)
+            for device in {d for d in stack.blocks[0].devices if d.type == "cuda"}:
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - begin)
     times = sorted(times[2:])

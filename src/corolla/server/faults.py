@@ -1,0 +1,87 @@
+"""Fault injection for failure tests: `corolla serve ... --inject-fault fail|drop|stall|corrupt`, armed by SIGUSR1.
+
+`FaultInjector` wraps the server's `Compute` (server.scheduling). A server started without --inject-fault has no
+wrapper at all, and until SIGUSR1 arms it the wrapper passes every call through. Once armed:
+
+- fail:    every inference step is answered with an `internal` error;
+- drop:    every inference step ends its stream without an answer (`Hangup`);
+- stall:   every inference step gets no answer for `stall_seconds` (the server's step timeout), then a `timeout`;
+- corrupt: every output goes back subtly wrong: inference steps and forward passes answer the span's last block
+           output with its first half of hidden features scaled by CORRUPT_SCALE (1.01). The stream, the cache and
+           the timing stay as they were, so only checking the numbers (spot checks against another server) can
+           tell. Backward passes are left alone.
+
+Why not scale the whole output: every block and the final norm normalise their input (RMSNorm, LayerNorm), so a
+uniform 1% scale of the model's last hidden states changes no logit, and in the middle of the model it changes
+only the residual's weight. Scaling half the features turns the vector, which no normalisation undoes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from torch import Tensor
+
+from corolla.protocol.messages import ErrorCode
+from corolla.server.planner import Plan, Step
+from corolla.server.scheduling import Compute
+from corolla.server.sessions import ServerSession
+from corolla.server.validation import RequestError
+
+logger = logging.getLogger(__name__)
+
+FAULT_MODES = ("fail", "drop", "stall", "corrupt")
+CORRUPT_SCALE = 1.01
+
+
+def corrupted(output: Tensor) -> Tensor:
+    """output (B, T, H) with features [0, H // 2) scaled by CORRUPT_SCALE, out of place."""
+    out = output.clone()
+    out[..., : output.shape[-1] // 2] *= CORRUPT_SCALE
+    return out
+
+
+class Hangup(Exception):
+    """End this stream at once, without an answer (the stream handler closes it silently)."""
+
+
+class FaultInjector:
+    """`Compute` that misbehaves as `mode` says once `arm()` was called; until then it is `inner` itself."""
+
+    def __init__(self, inner: Compute, mode: str, stall_seconds: float):
+        if mode not in FAULT_MODES:
+            raise ValueError(f"unknown fault {mode!r}; choose one of {', '.join(FAULT_MODES)}")
+        self.inner = inner
+        self.mode = mode
+        self.stall_seconds = stall_seconds
+        self.armed = False
+
+    def arm(self) -> None:
+        logger.warning("fault armed: from now on inference steps %s (--inject-fault)", self.mode)
+        self.armed = True
+
+    async def step(self, session: ServerSession, step: Step, plan: Plan) -> Tensor:
+        if not self.armed:
+            return await self.inner.step(session, step, plan)
+        logger.warning("injecting fault %r into an inference step", self.mode)
+        if self.mode == "fail":
+            raise RequestError(ErrorCode.INTERNAL, "injected fault")
+        if self.mode == "drop":
+            raise Hangup()
+        if self.mode == "stall":
+            await asyncio.sleep(self.stall_seconds)
+            raise RequestError(ErrorCode.TIMEOUT, "injected stall")
+        return corrupted(await self.inner.step(session, step, plan))
+
+    async def forward(self, hidden: Tensor, start: int, end: int, adapter: str | None, prompts: Tensor | None,
+                      mask: Tensor | None) -> Tensor:
+        output = await self.inner.forward(hidden, start, end, adapter, prompts, mask)
+        if self.armed and self.mode == "corrupt":
+            logger.warning("injecting fault 'corrupt' into a forward pass")
+            return corrupted(output)
+        return output
+
+    async def backward(self, hidden: Tensor, grad_output: Tensor, start: int, end: int, adapter: str | None,
+                       prompts: Tensor | None, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        return await self.inner.backward(hidden, grad_output, start, end, adapter, prompts, mask)

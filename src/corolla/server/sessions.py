@@ -1,0 +1,91 @@
+"""Open inference sessions of one server: each one's cache reservation, its KV cache and what it holds.
+
+A session reserves `batch_size x max_length` cache tokens when it opens (waiting in the allocator's FIFO queue up
+to the client's alloc_timeout, capped by the server's), then gets a zeroed `SessionKV` over its blocks. Whatever
+ends the session (a close message, an error, a disconnect, a timeout, the server shutting down), leaving
+`SessionTable.open` releases both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from corolla.protocol.messages import ErrorCode, OpenSession
+from corolla.server.backend import BlockStack
+from corolla.server.cache_allocator import CacheAllocator
+from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
+from corolla.server.kv_cache import SessionKV
+from corolla.server.planner import Step
+from corolla.server.validation import RequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ServerSession:
+    """One open session: blocks [start, end) for `batch_size` rows of up to `max_length` tokens."""
+
+    id: str
+    peer: str
+    start: int
+    end: int
+    batch_size: int
+    max_length: int
+    adapter: str | None  # LoRA adapter of every step; None: the base model
+    cache: SessionKV
+    position: int = 0  # tokens the cache holds; a step may start at or before it (a rollback)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+    def advance(self, step: Step) -> None:
+        """Record that `step` ran: the cache now holds its tokens and nothing after them."""
+        self.position = step.end
+
+
+class SessionTable:
+    """The sessions this server holds, each owned by the task serving its stream (`tasks`, for shutdown)."""
+
+    def __init__(self, stack: BlockStack, allocator: CacheAllocator, worker: ComputeWorker, max_alloc_timeout: float):
+        self.stack = stack
+        self.allocator = allocator
+        self.worker = worker
+        self.max_alloc_timeout = max_alloc_timeout
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    @asynccontextmanager
+    async def open(self, request: OpenSession, peer: str) -> AsyncIterator[ServerSession]:
+        """Reserve and allocate a checked OpenSession's cache; yields the session, releases everything on exit.
+
+        Raises RequestError(SERVER_FULL) if the tokens cannot be reserved within the allocation timeout."""
+        session_id = uuid.uuid4().hex
+        tokens = request.batch_size * request.max_length
+        timeout = min(request.alloc_timeout, self.max_alloc_timeout)
+        if not await self.allocator.reserve(session_id, tokens, timeout):
+            budget = self.allocator.budget
+            raise RequestError(
+                ErrorCode.SERVER_FULL,
+                f"server full: could not reserve {tokens} cache tokens within {timeout:.1f}s "
+                f"(free {budget.free} of {budget.total})",
+            )
+        task = asyncio.current_task()
+        if task is not None:
+            self.tasks[session_id] = task
+        try:
+            blocks = request.blocks
+            logger.debug("session.open id=%s peer=%s blocks=%s max_length=%d batch=%d", session_id, peer, blocks,
+                         request.max_length, request.batch_size)
+            cache = await self.worker.run(PRIORITY_INFERENCE, self.stack.allocate_cache, request.batch_size,
+                                          request.max_length, blocks.start, blocks.end)
+            yield ServerSession(session_id, peer, blocks.start, blocks.end, request.batch_size, request.max_length,
+                                request.active_adapter, cache)
+        finally:
+            self.tasks.pop(session_id, None)
+            self.allocator.release(session_id)
+            logger.debug("session.close id=%s free_tokens=%d", session_id, self.allocator.budget.free)
