@@ -228,17 +228,13 @@ def _embed_pending(model: GenerationModel, session: InferenceSession, ids: torch
 def _call_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, attention_mask: torch.Tensor | None,
                  pad: int | None, eos: list[int], session: InferenceSession | None) -> _Call:
     """This call's input as a _Call; raises ValueError for inconsistent shapes or no input at all."""
-    if inputs_embeds is not None:
-        if inputs_embeds.ndim != 3:
-            raise ValueError(f"inputs_embeds must have shape (batch, length, hidden), got {tuple(inputs_embeds.shape)}")
-        if input_ids is not None and tuple(torch.as_tensor(input_ids).reshape(inputs_embeds.shape[0], -1).shape) != tuple(inputs_embeds.shape[:2]):
-            raise ValueError(f"input_ids {tuple(torch.as_tensor(input_ids).shape)} and inputs_embeds "
-                             f"{tuple(inputs_embeds.shape)} must describe the same tokens")
     if input_ids is None and inputs_embeds is None:
         if session is None or session.token_ids.shape[1] == 0:
             raise ValueError("generate needs input_ids or inputs_embeds (or a session that already holds tokens)")
         empty = torch.empty(session.batch_size, 0, dtype=torch.long)
         return _Call(empty, None, None, empty)
+    if inputs_embeds is not None and inputs_embeds.ndim != 3:
+        raise ValueError(f"inputs_embeds must have shape (batch, length, hidden), got {tuple(inputs_embeds.shape)}")
     if input_ids is None:
         assert inputs_embeds is not None
         returned = torch.empty(inputs_embeds.shape[0], 0, dtype=torch.long)
@@ -249,6 +245,9 @@ def _call_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
             ids = returned = ids.unsqueeze(0)
         if ids.ndim != 2:
             raise ValueError(f"input_ids must have shape (batch, length), got {tuple(ids.shape)}")
+        if inputs_embeds is not None and tuple(ids.shape) != tuple(inputs_embeds.shape[:2]):
+            raise ValueError(f"input_ids {tuple(ids.shape)} and inputs_embeds {tuple(inputs_embeds.shape)} must "
+                             "describe the same tokens")
     mask = _input_mask(ids, attention_mask, pad, eos, fresh=session is None or session.token_ids.shape[1] == 0)
     return _Call(ids, mask, inputs_embeds, returned)
 
