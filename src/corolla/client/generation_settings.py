@@ -7,6 +7,7 @@ tests build the exact processor lists HF's `generate` builds, in HF's order, cus
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ from transformers.generation.stopping_criteria import (
     StoppingCriteriaList,
     StopStringCriteria,
 )
+
+logger = logging.getLogger(__name__)
 
 # Values HF applies when neither the user nor the checkpoint's generation_config sets them.
 HF_DEFAULTS: dict[str, Any] = {
@@ -164,6 +167,8 @@ def merge_custom(defaults: Any, custom: list[Any] | None) -> Any:
     merged = type(defaults)()
     for default in defaults:
         same = next((c for c in custom if type(c) is type(default)), None)
+        if same is not None:
+            logger.warning("the %s passed to generate replaces the one its arguments create", type(same).__name__)
         merged.append(default if same is None else same)
     for item in custom:
         if not any(item is m for m in merged):
