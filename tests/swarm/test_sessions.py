@@ -8,6 +8,8 @@ the rule implies, and by counting the positions the session sends.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -204,3 +206,28 @@ def test_a_call_past_the_sessions_max_length_fails_before_sending_and_loses_noth
         assert torch.equal(session.token_ids, held) and session.position == position and len(sent_positions) == steps
         more = model.generate(None, session=session, max_new_tokens=4, repetition_penalty=PENALTY)
     assert torch.equal(torch.cat([first, more], dim=1), hf(demo, ids, 8))
+
+
+def test_sessions_stepped_concurrently_from_the_client_loop_equal_hf(demo, model):
+    """step_async/feed_async/close_async: one coroutine drives two sessions at once on the client's event loop."""
+    prompts = [torch.tensor([[1, 400, 900, 35, 2000]]), torch.tensor([[1, 77, 512, 8]])]
+
+    async def greedy(ids: torch.Tensor, new: int) -> torch.Tensor:
+        session = model.open_session(max_length=ids.shape[1] + new)
+        try:
+            hidden = await session.feed_async(model.embed(input_ids=ids))  # (1, T, H)
+            for _ in range(new - 1):
+                token = model.lm_logits(hidden[:, -1:]).argmax(-1)  # (1, 1)
+                ids = torch.cat([ids, token], dim=1)
+                hidden = await session.step_async(model.embed(input_ids=token))
+            return torch.cat([ids, model.lm_logits(hidden[:, -1:]).argmax(-1)], dim=1)
+        finally:
+            await session.close_async()
+
+    async def both() -> list[torch.Tensor]:
+        return list(await asyncio.gather(*(greedy(p, 8) for p in prompts)))
+
+    with torch.no_grad():
+        outputs = run_sync(both())
+    for ids, out in zip(prompts, outputs):
+        assert torch.equal(out, demo["reference"].generate(ids, max_new_tokens=8, do_sample=False))

@@ -111,7 +111,7 @@ class InferenceSession:
     sends them before the first token, so tokens start at position P. `prompts` (end - start, P, H) are deep
     prompts: before each block the servers add that block's prompt to positions [0, P).
     `take_call` reads a `generate` call's ids against the tokens held (the rule is in client.session_state).
-    Every method has an `_async` twin for code on the client's event loop (client.event_loop).
+    `step`, `feed` and `close` have `_async` twins for code on the client's event loop (client.event_loop).
     """
 
     def __init__(self, manager: SequenceManager, max_length: int, batch_size: int = 1, *, start: int = 0, end: int | None = None,
