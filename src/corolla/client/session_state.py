@@ -26,10 +26,11 @@ The rule (`read_call`) that tells a call's ids apart, for ids X (B, m) against t
 So a call counts as the conversation when it repeats everything the callers themselves gave the session (all
 but the last token of the last input, which text appended right after it may merge with) with more than BOS in
 common, whatever the re-tokenized reply looks like; anything else is new tokens, Petals style. A BOS-led new turn
-therefore never rolls anything back unless it repeats the whole previous input. The ambiguous case is a short
-session: after a call with input [BOS, "Hi"], new tokens [BOS, "Hi", "there"] read as the conversation (a
-rollback to [BOS, "Hi"]); pass new turns without BOS (add_special_tokens=False) to keep them apart. In padded
-batches the comparison is column by column, so a conversation counts only when its padding is unchanged.
+therefore never rolls anything back unless it repeats the previous input (all of it but perhaps its last token).
+The ambiguous case is a short session: after a call with input [BOS, "Hi"], new tokens [BOS, "Hi", "there"] read
+as the conversation (a rollback to [BOS, "Hi"]); pass new turns without BOS (add_special_tokens=False) to keep
+them apart. In padded batches the comparison is column by column, so a conversation counts only when its padding
+is unchanged.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class SessionState:
     # ------------------------------------------------------------------ the rule
     def read_call(self, ids: Tensor, mask: Tensor | None = None, leading: Collection[int] = ()) -> CallReading:
         """How a call's ids (B, m) relate to the tokens held (see the module doc); changes nothing."""
-        n, m = self.length, ids.shape[1]
+        n = self.length
         if n == 0:
             return CallReading("fresh", 0, 0)
         shared = _shared_prefix(self.ids, self.mask, ids, mask)
