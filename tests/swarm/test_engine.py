@@ -159,8 +159,8 @@ def test_full_server_refuses_a_second_session_clearly_and_serves_it_once_freed(s
             assert 1.0 <= waited < 30.0, f"the refusal took {waited:.1f}s"
 
             # the session holding the cache is unaffected: it goes on to what HF generates
-            out = holder.generate(max_new_tokens=5, session=held)
-            assert torch.equal(out, reference.generate(first, max_new_tokens=10, do_sample=False))
+            out = holder.generate(max_new_tokens=5, session=held)  # continues the session: only the new tokens
+            assert torch.equal(out, reference.generate(first, max_new_tokens=10, do_sample=False)[:, first.shape[1] + 5:])
 
         assert wait_until(lambda: cache_is_free(holder, peer), timeout=10), "the closed session's cache was not released"
         with other.transformer.inference_session(max_length=64) as session:

@@ -154,13 +154,13 @@ def test_rollback_then_generate_equals_a_fresh_run(model, reference):
         first = model.generate(PROMPT, max_new_tokens=8, session=session)
         keep = PROMPT.shape[1] + 3
         session.rollback(keep)
-        assert session.position == keep and torch.equal(session.output_ids, first[:, :keep])
-        again = model.generate(None, max_new_tokens=6, session=session)
-        assert torch.equal(again, reference.generate(first[:, :keep], max_new_tokens=6, do_sample=False))
+        assert session.position == keep and torch.equal(session.token_ids, first[:, :keep])
+        again = model.generate(None, max_new_tokens=6, session=session)  # continues: only the new tokens
+        assert torch.equal(again, reference.generate(first[:, :keep], max_new_tokens=6, do_sample=False)[:, keep:])
         session.position = 4  # assigning rolls back too; then a new turn
         turn = model.generate(torch.tensor([[70, 71]]), max_new_tokens=5, session=session)
     assert torch.equal(turn, reference.generate(torch.cat([first[:, :4], torch.tensor([[70, 71]])], 1),
-                                                max_new_tokens=5, do_sample=False))
+                                                max_new_tokens=5, do_sample=False)[:, 4:])
 
 
 def test_stop_strings_stop_where_hf_stops(model, reference):

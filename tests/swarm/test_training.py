@@ -165,12 +165,13 @@ def test_deep_ptune_generation_equals_hf_with_prompt_hooks(deep_model, reference
     with deep_model.inference_session(max_length=16) as session:  # two turns, then a rollback, in one session
         first = deep_model.generate(ids[:, :2], max_new_tokens=1, session=session)  # (1, 3)
         assert session.position == P + 2  # the prompts, then two tokens (the generated one is not fed yet)
-        second = deep_model.generate(ids[:, 2:], max_new_tokens=4, session=session)
-        assert torch.equal(second, hf_greedy_with_prompts(reference, torch.cat([first, ids[:, 2:]], dim=1), prompts, deep, 4))
+        second = deep_model.generate(ids[:, 2:], max_new_tokens=4, session=session)  # new tokens: appended
+        full = hf_greedy_with_prompts(reference, torch.cat([first, ids[:, 2:]], dim=1), prompts, deep, 4)
+        assert torch.equal(second, full[:, first.shape[1]:])
         session.rollback(P + 4)  # keep the first four tokens
-        assert torch.equal(session.output_ids, second[:, :4])
-        again = deep_model.generate(max_new_tokens=3, session=session)
-        assert torch.equal(again, hf_greedy_with_prompts(reference, second[:, :4], prompts, deep, 3))
+        assert torch.equal(session.token_ids, full[:, :4])
+        again = deep_model.generate(max_new_tokens=3, session=session)  # continues: only the new tokens
+        assert torch.equal(again, hf_greedy_with_prompts(reference, full[:, :4], prompts, deep, 3)[:, 4:])
 
 
 def test_deep_ptune_session_replays_its_prompts_after_a_broken_stream(deep_model):
@@ -306,7 +307,7 @@ def test_ptune_generation_equals_greedy_argmax_of_full_forwards(classifier):
         first = model.generate(ids[:, :2], max_new_tokens=1, session=session)
         assert session.position == P + 2  # the prompts, then two tokens (the generated one is not fed yet)
         second = model.generate(ids[:, 2:], max_new_tokens=4, session=session)
-    assert torch.equal(second, greedy_by_full_forwards(model, torch.cat([first, ids[:, 2:]], dim=1), 4))
+    assert torch.equal(second, greedy_by_full_forwards(model, torch.cat([first, ids[:, 2:]], dim=1), 4)[:, first.shape[1]:])
 
 
 # ---------------------------------------------------------------------- bad input

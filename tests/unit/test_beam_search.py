@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from corolla.client.beam_search import BeamSettings, beam_search
-from corolla.client.generation import HF_DEFAULTS, _logits_processors, _stopping_criteria
+from corolla.client.generation_settings import HF_DEFAULTS, logits_processors, stopping_criteria
 
 PROMPTS = torch.tensor([[1, 17, 42, 99, 5], [1, 8, 13, 21, 34]])
 NEW = 12
@@ -41,8 +41,8 @@ def ours(model, num_beams: int, eos: int | None, **settings) -> torch.Tensor:
     )
     with torch.no_grad():
         return beam_search(lambda seq, _: model(seq).logits[:, -1], PROMPTS.repeat_interleave(num_beams, 0), beam,
-                           _logits_processors(config, prompt_len, eos_list, None),
-                           _stopping_criteria(prompt_len + NEW, eos_list, None, None)).sequences
+                           logits_processors(config, prompt_len, eos_list, None),
+                           stopping_criteria(prompt_len + NEW, eos_list, None, None)).sequences
 
 
 @pytest.mark.parametrize("num_beams, settings", [

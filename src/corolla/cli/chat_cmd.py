@@ -1,4 +1,7 @@
-"""`corolla chat MODEL`: an interactive conversation that keeps one inference session for all turns."""
+"""`corolla chat MODEL`: an interactive conversation that keeps one inference session for all turns.
+
+Each turn tokenizes the whole conversation and passes it with the session (the seed's chat loop); the session
+sends the servers only what they do not hold yet, so the history goes over the network once."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     tokenizer, model = load_client(args)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    conversation = ""  # the whole text so far; each turn passes all of it, the session sends only what is new
     try:
         with model.inference_session(max_length=args.max_length) as session:
             while True:
@@ -34,15 +38,17 @@ def run(args: argparse.Namespace) -> int:
                     break
                 if not line.strip():
                     break
-                ids = tokenizer(("\n" if session.position else "") + line + "\n", return_tensors="pt", add_special_tokens=session.position == 0)["input_ids"]
-                used = 0 if session.output_ids is None else session.output_ids.shape[1]
-                room = args.max_length - used - ids.shape[1]
+                conversation += line + "\n"
+                ids = tokenizer(conversation, return_tensors="pt")["input_ids"]
+                room = args.max_length - ids.shape[1] + 1  # the last generated token is never sent
                 if room <= 0:
                     print("[the conversation reached --max-length; start a new chat]", file=sys.stderr)
                     break
                 print("model> ", end="", flush=True)
-                model.generate(ids, session=session, streamer=streamer, **{**sampling_kwargs(args), "max_new_tokens": min(args.max_new_tokens, room)})
+                out = model.generate(ids, session=session, streamer=streamer,
+                                     **{**sampling_kwargs(args), "max_new_tokens": min(args.max_new_tokens, room)})
                 sys.stdout.flush()
+                conversation = tokenizer.decode(out[0], skip_special_tokens=True) + "\n"
     finally:
         model.shutdown()
     return 0

@@ -36,9 +36,30 @@ class DistributedModelForSequenceClassification(nn.Module):
         self.score = nn.Linear(hidden, num_labels, bias=False, dtype=base.dtype)
         nn.init.normal_(self.score.weight, std=float(getattr(base.config, "initializer_range", 0.02)))
 
+    main_input_name = "input_ids"
+
     @property
     def ptune(self):
         return self.base.ptune
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding table; its outputs are what `inputs_embeds` takes."""
+        return self.base.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.base.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> None:
+        """None: a classifier has no LM head over the vocabulary (as in HF)."""
+        return None
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 inputs_embeds: Tensor | None = None, labels: Tensor | None = None) -> SequenceClassifierOutputWithPast:

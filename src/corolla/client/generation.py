@@ -1,73 +1,85 @@
 """Generation through the swarm, with Hugging Face's arguments and results.
 
-Each call feeds only the tokens the session has not seen yet, so a session carries over across calls
-(multi-turn): the second `generate` continues the same server-side KV caches. The return value is every token of
-the session so far (previous turns, the new input, and the generated tokens), which equals what HF returns for the
-concatenated prompt. After `session.rollback(p)` the next call continues from the first p tokens.
+With a session, a call's ids are read against the tokens the session holds (the rule is in client.session_state):
+the whole conversation so far (only what the servers do not hold is sent; a re-tokenized end rolls the session
+back to the common prefix first), or new tokens appended after the session's (Petals style). Either way the
+tokens are predicted from the session's context, so the result equals HF's `generate` on that context, and the
+call returns its own input ids followed by the new tokens, as HF and Petals do. `generate(None, session=...)`
+continues the session and returns only the new tokens.
 
 Greedy decoding and sampling run here (same processors, same random draws in the same order as HF's `_sample`,
 so a seeded run samples the same tokens); beam search is in `corolla.client.beam_search`. A padded batch
 (`attention_mask` with zeros, left padding as HF expects for decoder-only models) sends its mask to the servers,
 which skip the padded slots: each row gets exactly the tokens it would get alone.
+
+`generate` sees the model only through `GenerationModel` (embeddings, logits, sessions, defaults).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import torch
-from transformers import GenerationConfig
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
-from transformers.generation.stopping_criteria import (
-    EosTokenCriteria,
-    MaxLengthCriteria,
-    StoppingCriteriaList,
-    StopStringCriteria,
-)
+from transformers import GenerationConfig, PretrainedConfig
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from corolla.client.beam_search import BeamSettings, beam_search
+from corolla.client import generation_settings as settings
+from corolla.client.generation_settings import as_list, check_modes, lengths, merge_config
 from corolla.client.inference_session import InferenceSession
-from corolla.client.ptune import embed_pending
-
-if TYPE_CHECKING:
-    from corolla.client.model import DistributedModelForCausalLM
+from corolla.client.session_state import UNKNOWN
 
 logger = logging.getLogger(__name__)
 
-# Values HF applies when neither the user nor the checkpoint's generation_config sets them.
-HF_DEFAULTS: dict[str, Any] = {
-    "max_length": 20, "min_length": 0, "do_sample": False, "num_beams": 1, "temperature": 1.0, "top_k": 50,
-    "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0, "length_penalty": 1.0, "early_stopping": False,
-    "num_return_sequences": 1,
-}
-SUPPORTED = {
-    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "num_beams", "temperature", "top_k",
-    "top_p", "typical_p", "min_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
-    "length_penalty", "early_stopping", "num_return_sequences", "stop_strings",
-}
+
+class GenerationModel(Protocol):
+    """What `generate` needs from a model."""
+
+    config: PretrainedConfig
+    generation_config: GenerationConfig
+
+    def open_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
+        """A session for `max_length` token positions (prompt-tuning prompts come on top)."""
+        ...
+
+    def embed(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The first block's input (B, T, H) for token ids (B, T) or HF-style input embeddings (B, T, H)."""
+        ...
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last block's output (B, T, H) -> next-token logits (B, T, vocab)."""
+        ...
+
+
+@dataclass
+class _Call:
+    """One call's input: ids (B, m) with -1 where only embeddings were given, their mask, their embeddings."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+    embeds: torch.Tensor | None
+    returned: torch.Tensor  # (B, m') the ids the result starts with: input_ids, or none for inputs_embeds alone
+
+    def repeat(self, times: int) -> _Call:
+        rep = lambda t: None if t is None else t.repeat_interleave(times, dim=0)  # noqa: E731
+        return _Call(rep(self.ids), rep(self.mask), rep(self.embeds), self.returned)
 
 
 def generate(
-    model: DistributedModelForCausalLM,
+    model: GenerationModel,
     input_ids: torch.LongTensor | None = None,
     *,
     session: InferenceSession | None = None,
     generation_config: GenerationConfig | None = None,
     streamer: Any = None,
     attention_mask: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
     tokenizer: Any = None,
+    logits_processor: list[LogitsProcessor] | None = None,
+    stopping_criteria: list[StoppingCriteria] | None = None,
     **kwargs: Any,
 ) -> torch.LongTensor:
     """Generate token ids like `transformers` `generate`: greedy, sampling or beam search.
@@ -75,83 +87,84 @@ def generate(
     Arguments (HF names): max_new_tokens, max_length, min_new_tokens, min_length, do_sample, temperature, top_k,
     top_p, typical_p, min_p, repetition_penalty, num_beams, length_penalty, early_stopping, num_return_sequences,
     eos_token_id, pad_token_id, stop_strings (with `tokenizer`), a `streamer` (put/end), a `generation_config`,
-    an `attention_mask` (left-padded batches). Returns (rows, total_length) token ids; rows that finished early
-    are padded with pad_token_id. Raises ValueError for unsupported arguments or a session too short for the request.
+    an `attention_mask` (left-padded batches), `inputs_embeds` (B, m, H) instead of (or beside) input_ids,
+    `logits_processor` / `stopping_criteria` lists merged into HF's own as HF merges them.
+    Returns (rows, m + new) token ids: this call's input ids, then the generated tokens (rows that finished early
+    are padded with pad_token_id); with inputs_embeds alone, only the generated tokens. Raises ValueError for a
+    session too short for the request (before anything is sent) or bad shapes, TypeError for unsupported arguments.
     """
-    config = _merge_config(model.generation_config, generation_config, kwargs)
+    config, default_max_length = merge_config(model.generation_config, generation_config, kwargs)
+    check_modes(config, streamer, tokenizer)
     expand = max(config.num_beams, config.num_return_sequences)
-    _check_modes(config, streamer, tokenizer)
-
-    prefix = session.output_ids if session is not None else None
-    if input_ids is None:
-        if prefix is None:
-            raise ValueError("generate needs input_ids (or a session that already holds tokens)")
-        input_ids = prefix[:, :0]
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if input_ids.ndim == 1:
-        input_ids = input_ids.unsqueeze(0)
-    if prefix is not None and prefix.shape[0] not in (input_ids.shape[0], input_ids.shape[0] * expand):
-        raise ValueError(f"batch size {input_ids.shape[0]} differs from the session's {prefix.shape[0]}")
-
-    eos = _as_list(config.eos_token_id)
+    eos = as_list(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
-    mask = _input_mask(input_ids, attention_mask, pad, eos, has_prefix=prefix is not None)
-    if expand > 1 and (prefix is None or prefix.shape[0] != input_ids.shape[0]):
-        input_ids = input_ids.repeat_interleave(expand, dim=0)  # row b * expand + j: prompt b, as HF expands it
-        mask = mask.repeat_interleave(expand, dim=0) if mask is not None else None
-    new_ids = input_ids
-    if prefix is not None:
-        assert session is not None
-        held = session.mask_so_far()
-        held = None if held is None else held[:, session.prefix_length :]  # the tokens' columns
-        if mask is not None or held is not None:
-            ones = lambda n: torch.ones(prefix.shape[0], n, dtype=torch.bool)  # noqa: E731
-            held = ones(0) if held is None else held
-            mask = torch.cat([held, ones(prefix.shape[1] - held.shape[1]), ones(new_ids.shape[1]) if mask is None else mask], dim=1)
-        input_ids = torch.cat([prefix, input_ids], dim=1)
-    sequence = input_ids  # (rows, total); mask, when not None, (rows, total) too
-    if sequence.shape[1] == 0:
-        raise ValueError("generate needs at least one input token")
-    rows, prompt_len = sequence.shape
-    max_length = config.max_new_tokens + prompt_len if config.max_new_tokens is not None else config.max_length
+    call = _call_inputs(input_ids, inputs_embeds, attention_mask, pad, eos, session)
+    rows = call.ids.shape[0] * expand
+    if session is not None and call.ids.shape[0] != session.batch_size:
+        if session.batch_size != rows:
+            raise ValueError(f"the session was opened for batch_size={session.batch_size}, got {call.ids.shape[0]} sequences")
+        call = call.repeat(expand)  # row b * expand + j: prompt b, as HF expands it
+    elif session is None and expand > 1:
+        call = call.repeat(expand)
 
-    processors = _logits_processors(config, prompt_len, eos, mask)
-    criteria = _stopping_criteria(max_length, eos, config.stop_strings, tokenizer)
-
+    hidden_len = int((call.ids[0] == UNKNOWN).sum())  # positions known only as embeddings
+    context_len = call.ids.shape[1]
+    if session is not None:  # the context: the session's tokens kept in front of the call's, if any
+        reading = session.read_call(call.ids, call.mask, as_list(config.bos_token_id))
+        context_len += reading.call_start
+        hidden_len += int((session.token_ids[0, : reading.call_start] == UNKNOWN).sum())
+    prompt_len = context_len - hidden_len  # the tokens the processors and criteria see
+    limits = lengths(config, default_max_length, prompt_len, hidden_len, getattr(model.config, "max_position_embeddings", None))
+    new_tokens = max(limits.max_length - prompt_len, 0)
+    positions = context_len + max(new_tokens - 1, 0)  # the last generated token is not sent
     own_session = session is None
-    if own_session:
-        session = model.open_session(max(max_length, prompt_len), rows)
-    assert session is not None
-    if session.batch_size != rows:
-        raise ValueError(f"the session was opened for batch_size={session.batch_size}, got {rows} sequences")
-    if mask is not None and bool(mask.all()):
-        mask = None
+    if session is None:
+        session = model.open_session(max(positions, 1), call.ids.shape[0])
+    elif session.prefix_length + positions > session.max_length:
+        raise ValueError(f"the session's max_length={session.max_length} is too short: this call needs "
+                         f"{session.prefix_length + positions} positions; open it with a larger max_length or ask for "
+                         f"fewer new tokens")
     try:
+        reading = session.take_call(call.ids, call.mask, as_list(config.bos_token_id))
+        logger.debug("generate: %s call, %d tokens kept, %d in the context", reading.kind, reading.shared, context_len)
         if streamer is not None:
-            streamer.put(new_ids.cpu())
-        if max_length <= prompt_len:
-            session.output_ids = sequence
-            return sequence
-        logits_fn = _session_logits(model, session, mask)
+            streamer.put(call.returned.cpu())
+        context = session.token_ids  # (rows, context_len)
+        known = context[0] != UNKNOWN if rows else torch.ones(context.shape[1], dtype=torch.bool)
+        sequence, mask = context[:, known], session.token_mask
+        mask = None if mask is None else mask[:, known]
+        processors = settings.logits_processors(config, prompt_len, eos, mask, logits_processor, limits.min_length)
+        criteria = settings.stopping_criteria(limits.max_length, eos, config.stop_strings, tokenizer, stopping_criteria)
+        logits_fn = _session_logits(model, session, call, reading.call_start, prompt_len)
+        if new_tokens == 0:
+            return call.returned
         if config.num_beams > 1:
-            settings = BeamSettings(
-                num_beams=config.num_beams, max_length=max_length, length_penalty=float(config.length_penalty),
+            beam = BeamSettings(
+                num_beams=config.num_beams, max_length=limits.max_length, length_penalty=float(config.length_penalty),
                 early_stopping=config.early_stopping, num_return_sequences=config.num_return_sequences,
                 do_sample=bool(config.do_sample), n_eos=len(eos),
                 fill_token=(pad or eos[0]) if eos else -1,  # what HF fills finished rows with
             )
-            result = beam_search(logits_fn, sequence, settings, processors, criteria)
+            result = beam_search(logits_fn, sequence, beam, processors, criteria)
             session.reorder(result.hypo_ids)  # the servers apply it with the session's next step, if any
-            session.output_ids = result.running
-            return result.sequences
+            session.append_tokens(result.running[:, -1:])  # the last token, not sent yet
+            return _with_call_ids(call.returned, result.sequences[:, prompt_len:])
         sequence = _sample_or_greedy(logits_fn, sequence, config, processors, criteria, pad, bool(eos), streamer)
-        session.output_ids = sequence
+        session.append_tokens(sequence[:, -1:])  # the last token, not sent yet
+        return _with_call_ids(call.returned, sequence[:, prompt_len:])
     finally:
         if streamer is not None:
             streamer.end()
         if own_session:
             session.close()
-    return sequence
+
+
+def _with_call_ids(call_ids: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+    """The call's ids (B, m) in front of the generated tokens (B * k, g): each prompt's row repeated for its k
+    returned sequences, as HF returns them."""
+    if call_ids.shape[1] == 0:
+        return generated
+    return torch.cat([call_ids.repeat_interleave(generated.shape[0] // call_ids.shape[0], dim=0), generated], dim=1)
 
 
 def _sample_or_greedy(logits_fn, sequence: torch.Tensor, config: GenerationConfig, processors: LogitsProcessorList,
@@ -176,121 +189,84 @@ def _sample_or_greedy(logits_fn, sequence: torch.Tensor, config: GenerationConfi
             return sequence
 
 
-def _session_logits(model: DistributedModelForCausalLM, session: InferenceSession, mask: torch.Tensor | None):
-    """logits_fn(sequence (rows, n), hypo_ids) -> last-position logits (rows, vocab): feeds the tokens the session
-    has not seen (after reordering its rows by hypo_ids), with their slice of the attention mask."""
-
-    offset = model.prompt_length  # with ptune, the servers hold P prompt positions before the first token
+def _session_logits(model: GenerationModel, session: InferenceSession, call: _Call, call_start: int,
+                    prompt_len: int) -> Callable[[torch.Tensor, "list[int] | None"], torch.Tensor]:
+    """logits_fn(sequence (rows, s), hypo_ids) -> last-position logits (rows, vocab): reorders the session's rows by
+    hypo_ids, takes the tokens of `sequence` past the ones it saw last time, and sends every pending token."""
+    seen = [prompt_len]
 
     def logits_fn(sequence: torch.Tensor, hypo_ids: list[int] | None) -> torch.Tensor:
         if hypo_ids is not None:
             session.reorder(hypo_ids)
-        if session.position and session.position - offset >= sequence.shape[1]:
-            session.rollback(offset + sequence.shape[1] - 1)  # nothing new (e.g. after a rollback): feed the last token again
-        start = max(session.position - offset, 0)
-        pending = sequence[:, start:]  # (rows, t): tokens the servers have not seen yet
-        step_mask = None
-        if mask is not None and start < mask.shape[1]:
-            new = mask[:, start : sequence.shape[1]]
-            step_mask = torch.cat([new, torch.ones(new.shape[0], pending.shape[1] - new.shape[1], dtype=new.dtype)], dim=1)
-            if offset and session.position == 0:  # the prompts go first, real in every row
-                step_mask = model.ptune.extend_mask(step_mask)
-        hidden = embed_pending(model, session, sequence)  # (rows, t, H), with the prompts first in a fresh ptune session
-        hidden = session.step(hidden, attention_mask=step_mask).to(hidden.dtype)
-        return model.head.logits(hidden[:, -1:])[:, -1].float()  # (rows, vocab)
+        session.append_tokens(sequence[:, seen[0] :])
+        seen[0] = sequence.shape[1]
+        ids, mask = session.pending_tokens()
+        hidden = session.feed(_embed_pending(model, session, ids, call, call_start), mask)  # (rows, t, H)
+        return model.lm_logits(hidden[:, -1:])[:, -1].float()  # (rows, vocab)
 
     return logits_fn
 
 
-def _input_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None, eos: list[int],
-                has_prefix: bool) -> torch.Tensor | None:
-    """The attention mask of the new input (B, n) bool, or None if nothing is padded.
+def _embed_pending(model: GenerationModel, session: InferenceSession, ids: torch.Tensor, call: _Call,
+                   call_start: int) -> torch.Tensor:
+    """Embeddings (rows, t, H) of the pending tokens `ids`: the call's inputs_embeds where it gave them, else the
+    token embeddings. Raises ValueError for a pending token known only as hidden states."""
+    first = session.token_ids.shape[1] - ids.shape[1]  # the context column of the first pending token
+    with torch.no_grad():
+        if call.embeds is None or first >= call_start + call.ids.shape[1]:
+            if bool((ids == UNKNOWN).any()):
+                raise ValueError("the session's next token is known only as hidden states (stepped without token ids); "
+                                 "pass input_ids or inputs_embeds to continue it")
+            return model.embed(input_ids=ids)
+        parts = []
+        if first < call_start:
+            parts.append(model.embed(input_ids=ids[:, : call_start - first]))
+        parts.append(model.embed(inputs_embeds=call.embeds[:, max(first - call_start, 0) :]))
+        return torch.cat(parts, dim=1)
 
-    Without a mask, HF infers one from pad tokens in the prompt when pad_token_id is set and is not an eos token.
+
+def _call_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                 pad: int | None, eos: list[int], session: InferenceSession | None) -> _Call:
+    """This call's input as a _Call; raises ValueError for inconsistent shapes or no input at all."""
+    if input_ids is None and inputs_embeds is None:
+        if session is None or session.token_ids.shape[1] == 0:
+            raise ValueError("generate needs input_ids or inputs_embeds (or a session that already holds tokens)")
+        empty = torch.empty(session.batch_size, 0, dtype=torch.long)
+        return _Call(empty, None, None, empty)
+    if inputs_embeds is not None and inputs_embeds.ndim != 3:
+        raise ValueError(f"inputs_embeds must have shape (batch, length, hidden), got {tuple(inputs_embeds.shape)}")
+    if input_ids is None:
+        assert inputs_embeds is not None
+        returned = torch.empty(inputs_embeds.shape[0], 0, dtype=torch.long)
+        ids = torch.full(inputs_embeds.shape[:2], UNKNOWN, dtype=torch.long)
+    else:
+        ids = returned = torch.as_tensor(input_ids, dtype=torch.long).cpu()
+        if ids.ndim == 1:
+            ids = returned = ids.unsqueeze(0)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must have shape (batch, length), got {tuple(ids.shape)}")
+        if inputs_embeds is not None and tuple(ids.shape) != tuple(inputs_embeds.shape[:2]):
+            raise ValueError(f"input_ids {tuple(ids.shape)} and inputs_embeds {tuple(inputs_embeds.shape)} must "
+                             "describe the same tokens")
+    mask = _input_mask(ids, attention_mask, pad, eos, fresh=session is None or session.token_ids.shape[1] == 0)
+    return _Call(ids, mask, inputs_embeds, returned)
+
+
+def _input_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None, eos: list[int],
+                fresh: bool) -> torch.Tensor | None:
+    """The attention mask of the call's input (B, n) bool, or None if nothing is padded.
+
+    Without a mask, HF infers one from pad tokens in the prompt when pad_token_id is set and is not an eos token
+    (only for a prompt that starts a session: later ids are not left-padded prompts).
     """
     if attention_mask is not None:
-        attention_mask = torch.as_tensor(attention_mask)
+        attention_mask = torch.as_tensor(attention_mask).cpu()
         if attention_mask.ndim == 1:
             attention_mask = attention_mask.unsqueeze(0)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
-        return attention_mask.to(torch.bool)
-    if not has_prefix and pad is not None and pad not in eos and bool((input_ids == pad).any()):
+        mask = attention_mask.to(torch.bool)
+        return None if bool(mask.all()) else mask
+    if fresh and pad is not None and pad not in eos and bool((input_ids == pad).any()):
         return input_ids != pad
     return None
-
-
-def _check_modes(config: GenerationConfig, streamer: Any, tokenizer: Any) -> None:
-    if config.num_beams < 1 or config.num_return_sequences < 1:
-        raise ValueError("num_beams and num_return_sequences must be >= 1")
-    if config.num_beams > 1:
-        if streamer is not None:
-            raise ValueError("a streamer cannot be used with beam search (as in HF)")
-        if config.num_return_sequences > config.num_beams:
-            raise ValueError(f"num_return_sequences={config.num_return_sequences} must be <= num_beams={config.num_beams}")
-    elif config.num_return_sequences > 1 and not config.do_sample:
-        raise ValueError("greedy decoding returns one sequence per prompt: num_return_sequences > 1 needs do_sample or num_beams")
-    if config.stop_strings is not None and tokenizer is None:
-        raise ValueError("stop_strings needs the model's tokenizer: pass tokenizer=... to generate")
-    if config.early_stopping not in (True, False, "never"):
-        raise ValueError(f"early_stopping must be True, False or 'never', got {config.early_stopping!r}")
-
-
-def _merge_config(model_config: GenerationConfig, user_config: GenerationConfig | None, kwargs: dict[str, Any]) -> GenerationConfig:
-    unknown = set(kwargs) - SUPPORTED
-    if unknown:
-        raise TypeError(f"generate() got unsupported arguments: {', '.join(sorted(unknown))}")
-    merged = GenerationConfig(**HF_DEFAULTS)
-    for source in (model_config, user_config):
-        if source is None:
-            continue
-        for key, value in source.to_diff_dict().items():
-            if value is not None and hasattr(merged, key):
-                setattr(merged, key, copy.deepcopy(value))
-    for key, value in kwargs.items():
-        setattr(merged, key, value)
-    return merged
-
-
-def _logits_processors(config: GenerationConfig, prompt_len: int, eos: list[int], mask: torch.Tensor | None) -> LogitsProcessorList:
-    """The processors HF applies for these settings, in HF's order (penalties and length limits first, then the
-    sampling warpers, which keep one more token than there are eos ids in beam sampling)."""
-    processors = LogitsProcessorList()
-    eos_tensor = torch.tensor(eos) if eos else None
-    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-        padded = mask is not None and not bool(mask.all())  # HF skips each row's left padding
-        ignore = mask.int().argmax(dim=1) if padded else None
-        processors.append(RepetitionPenaltyLogitsProcessor(penalty=float(config.repetition_penalty), prompt_ignore_length=ignore))
-    if eos_tensor is not None and config.min_length is not None and config.min_length > 0:
-        processors.append(MinLengthLogitsProcessor(config.min_length, eos_tensor))
-    if eos_tensor is not None and config.min_new_tokens is not None and config.min_new_tokens > 0:
-        processors.append(MinNewTokensLengthLogitsProcessor(prompt_len, config.min_new_tokens, eos_tensor))
-    if config.do_sample:
-        keep = len(eos) + 1 if config.num_beams > 1 else 1
-        if config.temperature is not None and config.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k is not None and config.top_k != 0:
-            processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=keep))
-        if config.top_p is not None and config.top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=keep))
-        if config.min_p is not None:
-            processors.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=keep))
-        if config.typical_p is not None and config.typical_p < 1.0:
-            processors.append(TypicalLogitsWarper(mass=config.typical_p, min_tokens_to_keep=keep))
-    return processors
-
-
-def _stopping_criteria(max_length: int, eos: list[int], stop_strings: Any, tokenizer: Any) -> StoppingCriteriaList:
-    """HF's criteria, in HF's order: the length limit, stop strings (text ending with one), eos tokens."""
-    criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=max_length)])
-    if stop_strings is not None:
-        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
-    if eos:
-        criteria.append(EosTokenCriteria(eos_token_id=torch.tensor(eos)))
-    return criteria
-
-
-def _as_list(value: int | list[int] | torch.Tensor | None) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in torch.as_tensor(value).flatten().tolist()]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection, Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from corolla.client.connection import Connection
 from corolla.client.event_loop import get_loop, run_sync
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
+from corolla.client.session_state import CallReading, SessionState
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import PeerUnavailable, RemoteError, SessionExpired
 from corolla.protocol.messages import (
@@ -101,17 +102,22 @@ class _SpanSession:
 
 
 class InferenceSession:
-    """A generation session over blocks [0, num_blocks): `step(hidden)` runs new tokens through every server.
+    """A generation session over blocks [start, end): `step(hidden)` runs new positions through every server.
 
-    Use as a context manager; closing frees every server's cache. `position` is the number of tokens the servers
+    Use as a context manager; closing frees every server's cache. `position` is the number of positions the servers
     hold; `rollback(p)` (or assigning a smaller value) rolls the session back (the next step overwrites from there).
     `reorder(hypo_ids)` makes rows follow other rows (beam search); padded rows are stepped with an attention mask.
-    `prompts` (end - start, P, H) are deep prompts (deep prompt tuning): before each block the servers add that block's
-    prompt to positions [0, P), which the session's first steps must fill (see client.ptune).
+
+    The session owns what it holds (client.session_state): the token ids of its positions (`token_ids`, also the
+    ones not sent yet), their mask, and the prompt-tuning offset. `prefix` (P, H) are prompt-tuning prompts: `feed`
+    sends them before the first token, so tokens start at position P. `prompts` (end - start, P, H) are deep
+    prompts: before each block the servers add that block's prompt to positions [0, P).
+    `take_call` reads a `generate` call's ids against the tokens held (the rule is in client.session_state).
+    `step`, `feed` and `close` have `_async` twins for code on the client's event loop (client.event_loop).
     """
 
     def __init__(self, manager: SequenceManager, max_length: int, batch_size: int = 1, *, start: int = 0, end: int | None = None,
-                 active_adapter: str | None = None, prompts: torch.Tensor | None = None, prefix_length: int = 0):
+                 active_adapter: str | None = None, prompts: torch.Tensor | None = None, prefix: torch.Tensor | None = None):
         if max_length <= 0:
             raise ValueError("max_length must be positive")
         self.manager = manager
@@ -125,131 +131,152 @@ class InferenceSession:
                                     or not 1 <= prompts.shape[1] <= max_length):
             raise ValueError(f"deep prompts must have shape ({self.end - self.start}, P, hidden) with 1 <= P <= "
                              f"max_length={max_length}, got {tuple(prompts.shape)}")
+        if prefix is not None and (prefix.ndim != 2 or not 1 <= prefix.shape[0] <= max_length
+                                   or (prompts is not None and prompts.shape[1] != prefix.shape[0])):
+            raise ValueError(f"prompt-tuning prompts must have shape (P, hidden) with 1 <= P <= max_length={max_length}"
+                             f" (and P equal to the deep prompts'), got {tuple(prefix.shape)}")
         self.prompts = None if prompts is None else prompts.detach()
-        self.prefix_length = prefix_length  # positions before the first token (prompt tuning's P); not in output_ids
+        self.prefix = None if prefix is None else prefix.detach()
+        self._state = SessionState(batch_size, 0 if prefix is None else prefix.shape[0])
         self._spans: list[_SpanSession] | None = None
-        self._position = 0
         self.closed = False
-        self.output_ids: torch.Tensor | None = None  # every token id this session has seen or produced (set by generate)
-        self.attention_mask: torch.Tensor | None = None  # (B, position) bool while some row is padded, else None
-        self._hypo_ids: list[int] | None = None  # a reordering of the rows not sent to the servers yet
 
-    # ------------------------------------------------------------------ public, synchronous
+    # ------------------------------------------------------------------ what the session holds
     @property
     def position(self) -> int:
-        return self._position
+        return self._state.position
 
     @position.setter
     def position(self, value: int) -> None:
         self.rollback(value)
 
-    def rollback(self, position: int) -> None:
-        """Forget every token from `position` on: the next step (or `generate`) continues from there.
+    @property
+    def prefix_length(self) -> int:
+        """Positions before the first token: the prompt-tuning prompts' P (0 without prompt tuning)."""
+        return self._state.prefix_length
 
-        Nothing is sent now; the servers overwrite their caches from `position` with the next step.
-        The attention mask is cut to `position` positions, `output_ids` to the tokens among them (positions past
-        `prefix_length`). Raises ValueError unless
-        0 <= position <= self.position.
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """The token ids (batch_size, n) of positions [prefix_length, prefix_length + n), rows in their current order:
+        the ones the servers hold, then those not sent yet (after `generate`, its last token). -1 where a position
+        was stepped as hidden states, not tokens."""
+        return self._state.ids.clone()
+
+    @property
+    def token_mask(self) -> torch.Tensor | None:
+        """The mask (batch_size, n) of `token_ids`, 1 = real; None while every token is real."""
+        return None if self._state.mask is None else self._state.mask.clone()
+
+    @property
+    def attention_mask(self) -> torch.Tensor | None:
+        """The mask (batch_size, position) of the positions the servers hold, prompts included, 1 = real; None while
+        no row is padded."""
+        return self._state.positions_mask(self._state.position)
+
+    def rollback(self, position: int) -> None:
+        """Forget every position from `position` on, and their tokens: the next step (or `generate`) continues there.
+
+        Nothing is sent now; the servers overwrite their caches from `position` with the next step. Raises ValueError
+        unless 0 <= position <= self.position.
         """
-        if not 0 <= position <= self._position:
-            raise ValueError(f"can only roll a session back: position {position} is not within [0, {self._position}]")
-        self._position = position
-        if self.output_ids is not None:
-            self.output_ids = self.output_ids[:, : max(position - self.prefix_length, 0)]
-        if self.attention_mask is not None:
-            self.attention_mask = self.attention_mask[:, :position]
+        self._state.rollback(position)
 
     def reorder(self, hypo_ids: list[int] | torch.Tensor) -> None:
         """Make row i continue what row hypo_ids[i] holds (beam search); sent to the servers with the next step.
 
-        Successive reorders compose. `output_ids` is reordered now; the attention mask with the next step.
-        Raises ValueError unless there are batch_size ids, each in [0, batch_size).
+        Successive reorders compose; the token ids and mask follow at once. Raises ValueError unless there are
+        batch_size ids, each in [0, batch_size).
         """
         ids = [int(i) for i in (hypo_ids.tolist() if isinstance(hypo_ids, torch.Tensor) else hypo_ids)]
-        if len(ids) != self.batch_size or not all(0 <= i < self.batch_size for i in ids):
-            raise ValueError(f"hypo_ids must be {self.batch_size} row indices in [0, {self.batch_size}), got {ids}")
-        self._hypo_ids = ids if self._hypo_ids is None else [self._hypo_ids[i] for i in ids]
-        if self.output_ids is not None:
-            self.output_ids = self.output_ids[ids]
+        self._state.reorder(ids)
 
-    def mask_so_far(self) -> torch.Tensor | None:
-        """The attention mask (B, position) of the tokens the session holds, rows in their current order; None
-        when no row is padded."""
-        if self.attention_mask is None:
-            return None
-        held = self.attention_mask[:, : self._position]
-        return held[self._hypo_ids] if self._hypo_ids is not None else held
+    def read_call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  leading_ids: Collection[int] = ()) -> CallReading:
+        """How a `generate` call's ids (batch_size, m) relate to the tokens held: "fresh", "extend", "rollback" or
+        "new" (the rule is in client.session_state). `leading_ids` are ids every text starts with (BOS): sharing
+        only those is sharing nothing. Changes nothing."""
+        return self._state.read_call(input_ids, attention_mask, leading_ids)
 
+    def take_call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  leading_ids: Collection[int] = ()) -> CallReading:
+        """Apply `read_call`: the token ids become the call's context (the tokens kept, then the call's), the
+        servers keep the shared positions, and the rest is pending (at least the last token). Returns the reading."""
+        return self._state.take_call(input_ids, attention_mask, leading_ids)
+
+    def pending_tokens(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens held but not sent yet: ids (batch_size, t) and their mask, or None when all are real."""
+        return self._state.pending()
+
+    def append_tokens(self, ids: torch.Tensor) -> None:
+        """Hold real tokens `ids` (batch_size, t) after the ones held, pending until a step sends them."""
+        self._state.append(ids)
+
+    # ------------------------------------------------------------------ steps
     def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run hidden (batch_size, T, H) for positions [position, position + T); returns the last block's output.
 
-        `attention_mask` (batch_size, T), 1 = real token, 0 = padding, covers this step's tokens; the session keeps
-        the mask of the earlier ones. Padded slots are skipped by the servers (their output is their input).
+        `attention_mask` (batch_size, T), 1 = real token, 0 = padding, covers this step's positions; the session
+        keeps the mask of the earlier ones. Padded slots are skipped by the servers (their output is their input).
+        Pending tokens (see token_ids) are the ones these positions hold, in order. Raises ValueError for a wrong
+        shape or a step past max_length, SessionExpired once closed.
         """
-        if self.closed:
-            raise SessionExpired("this inference session is closed")
-        if hidden.ndim != 3 or hidden.shape[0] != self.batch_size:
-            raise ValueError(f"expected hidden states of shape ({self.batch_size}, T, hidden), got {tuple(hidden.shape)}")
-        if self._position + hidden.shape[1] > self.max_length:
-            raise ValueError(
-                f"the session's max_length={self.max_length} is too short: it holds {self._position} tokens "
-                f"and was given {hidden.shape[1]} more; open the session with a larger max_length"
-            )
-        if attention_mask is not None and tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
-            raise ValueError(f"attention_mask must have shape {tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}")
-        mask = self._full_mask(attention_mask, hidden.shape[1])
-        hypo_ids = self._hypo_ids
-        output = run_sync(self._step(hidden, mask, hypo_ids))
-        self._hypo_ids = None
-        self._position += hidden.shape[1]
-        self.attention_mask = mask
-        return output
+        return run_sync(self.step_async(hidden, attention_mask))
 
     async def step_async(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`step`, awaited on the client's event loop (client.event_loop.get_loop()) instead of blocking a thread.
-
-        Same arguments, checks, result and errors as `step`; many sessions may step concurrently on the loop, but
-        one session's steps must not overlap. Raises RuntimeError when awaited on another event loop.
-        """
-        if asyncio.get_running_loop() is not get_loop():
-            raise RuntimeError("step_async must be awaited on the client's event loop (client.event_loop.get_loop())")
+        """`step`, awaited on the client's event loop (one loop can drive many sessions)."""
         if self.closed:
             raise SessionExpired("this inference session is closed")
         if hidden.ndim != 3 or hidden.shape[0] != self.batch_size:
             raise ValueError(f"expected hidden states of shape ({self.batch_size}, T, hidden), got {tuple(hidden.shape)}")
-        if self._position + hidden.shape[1] > self.max_length:
+        if self.position + hidden.shape[1] > self.max_length:
             raise ValueError(
-                f"the session's max_length={self.max_length} is too short: it holds {self._position} tokens "
+                f"the session's max_length={self.max_length} is too short: it holds {self.position} positions "
                 f"and was given {hidden.shape[1]} more; open the session with a larger max_length"
             )
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
             raise ValueError(f"attention_mask must have shape {tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}")
-        mask = self._full_mask(attention_mask, hidden.shape[1])
-        hypo_ids = self._hypo_ids
-        output = await self._step(hidden, mask, hypo_ids)
-        self._hypo_ids = None
-        self._position += hidden.shape[1]
-        self.attention_mask = mask
+        mask = self._state.step_mask(hidden.shape[1], attention_mask)
+        output = await self._step(hidden, mask, self._state.hypo_ids)
+        self._state.advance(hidden.shape[1], attention_mask)
         return output
 
-    def _full_mask(self, new: torch.Tensor | None, length: int) -> torch.Tensor | None:
-        """The mask (B, position + length) to send, or None while no row is padded."""
-        held = self.mask_so_far()  # the servers reorder their rows before this step
-        if held is None and (new is None or bool(new.all())):
-            return None
-        if held is None:
-            held = torch.ones(self.batch_size, self._position, dtype=torch.bool)
-        if new is None:
-            new = torch.ones(self.batch_size, length, dtype=torch.bool)
-        mask = torch.cat([held, new.to(torch.bool).cpu()], dim=1)  # (B, position + length)
-        return None if bool(mask.all()) else mask
+    def feed(self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the input embeddings (batch_size, t, H) of the next t tokens; returns their outputs (batch_size, t, H).
 
+        A session with prompt-tuning prompts sends them first while it holds nothing; rolled back into them it
+        raises ValueError. `attention_mask` (batch_size, t) covers the tokens (the prompts are real)."""
+        hidden, mask = self._with_prefix(embeddings, attention_mask)
+        return self.step(hidden, mask)[:, hidden.shape[1] - embeddings.shape[1] :]
+
+    async def feed_async(self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`feed`, awaited on the client's event loop."""
+        hidden, mask = self._with_prefix(embeddings, attention_mask)
+        return (await self.step_async(hidden, mask))[:, hidden.shape[1] - embeddings.shape[1] :]
+
+    def _with_prefix(self, embeddings: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(embeddings, mask) with the prompts in front when the session holds nothing yet."""
+        if self.prefix is None or self.position >= self.prefix_length:
+            return embeddings, mask
+        if self.position > 0:
+            raise ValueError(f"a prompt-tuned session cannot be rolled back into its {self.prefix_length} prompt positions")
+        prefix = self.prefix.to(embeddings.dtype).to(embeddings.device).expand(embeddings.shape[0], -1, -1)  # (B, P, H)
+        if mask is not None:
+            mask = torch.cat([torch.ones(mask.shape[0], self.prefix_length, dtype=torch.bool), mask.to(torch.bool).cpu()], dim=1)
+        return torch.cat([prefix, embeddings], dim=1), mask  # (B, P + t, H)
+
+    # ------------------------------------------------------------------ closing
     def close(self) -> None:
+        """Close every server's stream (their caches are freed). Idempotent."""
+        if not self.closed:
+            run_sync(self.close_async())
+
+    async def close_async(self) -> None:
+        """`close`, awaited on the client's event loop."""
         if not self.closed:
             self.closed = True
-            if self._spans:
-                run_sync(self._close_spans(self._spans))
-            self._spans = None
+            spans, self._spans = self._spans, None
+            if spans:
+                await self._close_spans(spans)
 
     def __enter__(self) -> InferenceSession:
         return self
@@ -268,17 +295,18 @@ class InferenceSession:
     async def _step(self, hidden: torch.Tensor, mask: torch.Tensor | None, hypo_ids: list[int] | None) -> torch.Tensor:
         if self._spans is None:
             self._spans = await self._open_chain(self.start, self.end, history=None)
+        position = self.position
         x, index, failures = hidden, 0, 0
         while index < len(self._spans):
             span = self._spans[index]
             try:
-                x_out = await span.step(x, self._position, self.config.request_timeout, mask, hypo_ids)
+                x_out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids)
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, failures, span.span)
                 await span.close()
                 await self.manager.backoff(failures)
                 # the replacement gets the history as it was before this step (not reordered yet), then this step
-                history = span.history[:, : self._position] if span.history is not None else None
+                history = span.history[:, :position] if span.history is not None else None
                 self._spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
                 continue
             self.manager.forgive(span.span.peer_id)
@@ -304,7 +332,7 @@ class InferenceSession:
                                                       self._span_prompts(span))
                     opened.append(session)
                     if x is not None and x.shape[1] > 0:
-                        x = await session.step(x, 0, self.config.request_timeout, self._replay_mask(x.shape[1]))
+                        x = await session.step(x, 0, self.config.request_timeout, self._state.replay_mask(x.shape[1]))
             except (PeerUnavailable, RemoteError) as e:
                 await self._close_spans(opened)
                 failures = self.manager.after_failure(e, failures, span)
@@ -321,14 +349,6 @@ class InferenceSession:
         if self.prompts is None:
             return None
         return self.prompts[span.start - self.start : span.end - self.start]
-
-    def _replay_mask(self, length: int) -> torch.Tensor | None:
-        """The mask of the first `length` positions held before the current step (not reordered yet, like the
-        replayed history), or None if none is padded."""
-        if self.attention_mask is None:
-            return None
-        mask = self.attention_mask[:, :length]
-        return None if bool(mask.all()) else mask
 
     @staticmethod
     async def _close_spans(spans: Sequence[_SpanSession]) -> None:

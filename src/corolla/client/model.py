@@ -33,7 +33,15 @@ _atexit_lock = threading.Lock()
 
 
 class DistributedModelForCausalLM(nn.Module):
-    """A causal LM whose blocks run in the swarm. Call it like an HF model; `generate` takes HF arguments."""
+    """A causal LM whose blocks run in the swarm. Call it like an HF model; `generate` takes HF arguments.
+
+    The Hugging Face surface: `config`, `generation_config`, `device`, `dtype`, `get_input_embeddings()` /
+    `set_input_embeddings()`, `get_output_embeddings()`, `model(input_ids | inputs_embeds, attention_mask, labels)`
+    with HF's `.loss`, and `generate`. It also is what generation sees of a model (client.generation's
+    GenerationModel: `embed`, `lm_logits`, `open_session`).
+    """
+
+    main_input_name = "input_ids"
 
     def __init__(self, config: PretrainedConfig, head: nn.Module, transformer: RemoteSequential, node: SwarmNode,
                  generation_config: GenerationConfig, name_or_path: str, ptune: PromptTuning | None = None):
@@ -55,28 +63,60 @@ class DistributedModelForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return next(self.head.parameters()).device
 
+    # ------------------------------------------------------------------ embeddings
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding table (vocab, H); its outputs are what `inputs_embeds` takes."""
+        return getattr(self.head, _embedding_name(self.head))
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        """Use `value` (ids (B, T) -> (B, T, H)) as the token embeddings; a tied LM head keeps the old table."""
+        setattr(self.head, _embedding_name(self.head), value)
+
+    def get_output_embeddings(self) -> nn.Module:
+        """The LM head (H -> vocab)."""
+        return self.head.lm_head
+
+    def embed(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The first block's input (B, T, H) for input_ids (B, T) or inputs_embeds (B, T, H), the outputs of
+        get_input_embeddings() (for BLOOM, the embedding LayerNorm is applied to them, as HF's BloomModel does)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            return self.head.embed(input_ids.to(self.device))
+        assert inputs_embeds is not None
+        if inputs_embeds.ndim != 3:
+            raise ValueError(f"inputs_embeds must have shape (batch, length, hidden), got {tuple(inputs_embeds.shape)}")
+        norm = getattr(self.head, "word_embeddings_layernorm", None)
+        return inputs_embeds if norm is None else norm(inputs_embeds)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last block's output (B, T, H) -> logits (B, T, vocab): final norm, then the LM head."""
+        return self.head.logits(hidden)
+
+    # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> CausalLMOutputWithPast:
+                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None) -> CausalLMOutputWithPast:
         """Full forward through the swarm (no cache): logits (B, T, vocab), from input_ids (B, T) or inputs_embeds
         (B, T, H). Differentiable w.r.t. inputs_embeds and the prompts when grad is enabled (rpc_backward).
 
         With `attention_mask` (B, T) of 0/1 (e.g. a left-padded batch), each row's real tokens give the logits
-        that row alone would; logits at padded slots are meaningless, as in HF.
+        that row alone would; logits at padded slots are meaningless, as in HF. With `labels` (B, T), `loss` is HF's
+        causal-LM loss: mean cross-entropy (float32) of the logits at t against labels at t + 1, -100 ignored.
         """
-        return CausalLMOutputWithPast(logits=self.head.logits(self.block_outputs(input_ids, inputs_embeds, attention_mask)))
+        logits = self.lm_logits(self.block_outputs(input_ids, inputs_embeds, attention_mask))
+        return CausalLMOutputWithPast(loss=None if labels is None else causal_lm_loss(logits, labels), logits=logits)
 
     def block_outputs(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The last block's hidden states (B, T, H) for input_ids (B, T) or inputs_embeds (B, T, H), before the
         final norm; with prompt tuning the prompts run through the blocks too and are dropped from the result."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        hidden = self.head.embed(input_ids.to(self.device)) if input_ids is not None else inputs_embeds  # (B, T, H)
+        hidden = self.embed(input_ids, inputs_embeds)  # (B, T, H)
         mask = None if attention_mask is None or _right_padded(attention_mask) else attention_mask
         if self.ptune is not None:
             return self.ptune.run(self.transformer, hidden, mask)
         return self.transformer(hidden, mask).to(hidden.dtype)
 
+    # ------------------------------------------------------------------ sessions and generation
     @contextmanager
     def inference_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None) -> Iterator[InferenceSession]:
         """Open a KV-cached session on the servers; `generate` inside the block uses it unless given another.
@@ -94,11 +134,12 @@ class DistributedModelForCausalLM(nn.Module):
 
     def open_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None) -> InferenceSession:
         """A new InferenceSession for `max_length` tokens (the caller closes it). With prompt tuning it holds
-        pre_seq_len positions more, and with deep_ptune it carries the deep prompts as they are now."""
-        deep = None if self.ptune is None else self.ptune.deep_prompts
-        return self.transformer.inference_session(
-            max_length + self.prompt_length, batch_size, active_adapter, None if deep is None else deep.detach().clone(),
-            prefix_length=self.prompt_length)
+        pre_seq_len positions more and carries the prompts (deep ones too) as they are now."""
+        prefix = deep = None
+        if self.ptune is not None:
+            prefix = self.ptune.prompts.detach().clone()
+            deep = None if self.ptune.deep_prompts is None else self.ptune.deep_prompts.detach().clone()
+        return self.transformer.inference_session(max_length + self.prompt_length, batch_size, active_adapter, deep, prefix)
 
     @property
     def prompt_length(self) -> int:
@@ -106,7 +147,8 @@ class DistributedModelForCausalLM(nn.Module):
         return 0 if self.ptune is None else self.ptune.pre_seq_len
 
     def generate(self, input_ids: torch.LongTensor | None = None, **kwargs) -> torch.LongTensor:
-        """HF-style generation; see corolla.client.generation.generate for the arguments."""
+        """HF-style generation; see corolla.client.generation.generate for the arguments. Inside a
+        `with model.inference_session(...)` block it uses that session unless given another."""
         active = getattr(self._active, "session", None)
         if kwargs.get("session") is None and active is not None:
             kwargs["session"] = active
@@ -120,6 +162,24 @@ class DistributedModelForCausalLM(nn.Module):
             _live_nodes.discard(node)
             run_sync(self.transformer.manager.close(), timeout=10)
             run_sync(node.shutdown(), timeout=10)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """HF's causal-LM loss: logits (B, T, V) at t predict labels (B, T) at t + 1; mean float32 cross-entropy over the
+    labels that are not `ignore_index` (HF pads the labels on the right and shifts them, as here)."""
+    if labels.shape != logits.shape[:2]:
+        raise ValueError(f"labels must have shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
+    labels = nn.functional.pad(labels.to(logits.device), (0, 1), value=ignore_index)[:, 1:]  # (B, T)
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=ignore_index)
+
+
+def _embedding_name(head: nn.Module) -> str:
+    """The head's attribute holding the token embedding table (Llama family: embed_tokens; BLOOM, Falcon:
+    word_embeddings)."""
+    for name in ("embed_tokens", "word_embeddings"):
+        if isinstance(getattr(head, name, None), nn.Module):
+            return name
+    raise AttributeError(f"{type(head).__name__} has no token embeddings named embed_tokens or word_embeddings")
 
 
 class AutoDistributedModelForCausalLM:
@@ -148,7 +208,8 @@ class AutoDistributedModelForCausalLM:
         client_config.active_adapter) runs every request with that LoRA adapter, as servers announce it (the repo id or
         path given to `corolla serve --adapters`); only servers holding it are used.
         `tuning_mode` "ptune" / "deep_ptune" with `pre_seq_len` P adds trainable prompts (see client.ptune); they
-        are the model's only parameters with requires_grad.
+        are the model's only parameters with requires_grad. `dtype` (transformers 5's name) or `torch_dtype`: the
+        client-side weights' dtype (None or "auto": float32); ValueError if both are given and differ.
         """
         config = client_config or ClientConfig()
         if initial_peers is not None:
@@ -161,6 +222,8 @@ class AutoDistributedModelForCausalLM:
             config = replace(config, active_adapter=active_adapter)
         if not config.initial_peers:
             raise ValueError("initial_peers is required: the multiaddr of a DHT peer of the swarm (see `corolla dht`)")
+        if torch_dtype is not None and dtype is not None and _resolve_dtype(torch_dtype) != _resolve_dtype(dtype):
+            raise ValueError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree: pass one of them")
         model_dtype = _resolve_dtype(torch_dtype if torch_dtype is not None else dtype)
 
         hf_config = load_config(model_name_or_path, cache_dir=cache_dir, revision=revision, token=token)

@@ -9,24 +9,20 @@
 
     tokens ──embed──► (B, T, H) ──cat──► [prompts (B, P, H) | embeddings] ──► blocks (+deep[i] on [0, P)) ──► drop P
 
-In an inference session the prompts are sent with the session's first step, so the servers hold P positions more
-than the tokens the session has seen; a session keeps the deep prompts it was opened with. In a padded batch the
-prompt positions are real tokens in front of every row's padding.
+An inference session is opened with the prompts as they are then (InferenceSession's `prefix` and deep `prompts`):
+it sends them with its first step, so the servers hold P positions more than the tokens the session has seen. In
+a padded batch the prompt positions are real tokens in front of every row's padding.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from corolla.client.inference_session import InferenceSession
 from corolla.client.remote_sequential import RemoteSequential
-
-if TYPE_CHECKING:
-    from corolla.client.model import DistributedModelForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -89,20 +85,3 @@ def make_prompt_tuning(mode: str | None, pre_seq_len: int, head: nn.Module, hidd
 def _vocab_size(head: nn.Module) -> int:
     embeddings = [m for m in head.modules() if isinstance(m, nn.Embedding)]
     return embeddings[0].num_embeddings if embeddings else 1
-
-
-def embed_pending(model: DistributedModelForCausalLM, session: InferenceSession, sequence: Tensor) -> Tensor:
-    """Embeddings (B, t, H) of the tokens of `sequence` (B, S) that the session's servers do not hold yet.
-
-    With prompt tuning the servers hold the P prompt positions before the tokens: a fresh session (position 0)
-    gets the prompts prepended, and later steps skip P positions when indexing `sequence`.
-    """
-    tuning: PromptTuning | None = getattr(model, "ptune", None)
-    with torch.no_grad():
-        if tuning is None:
-            return model.head.embed(sequence[:, session.position :].to(model.device))
-        if session.position == 0:
-            return tuning.prepend(model.head.embed(sequence.to(model.device)))
-        if session.position < tuning.pre_seq_len:
-            raise ValueError(f"a prompt-tuned session cannot be rolled back into its {tuning.pre_seq_len} prompt positions")
-        return model.head.embed(sequence[:, session.position - tuning.pre_seq_len :].to(model.device))

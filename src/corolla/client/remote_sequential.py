@@ -69,8 +69,8 @@ class RemoteSequential(nn.Module):
         return RemoteBlocks(self.manager, self.start, self.end)
 
     def inference_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None,
-                          prompts: torch.Tensor | None = None, prefix_length: int = 0) -> InferenceSession:
-        """A KV-cached session over this module's blocks; `prompts` (len(self), P, H) are deep prompts, and
-        `prefix_length` positions come before the first token (see InferenceSession)."""
+                          prompts: torch.Tensor | None = None, prefix: torch.Tensor | None = None) -> InferenceSession:
+        """A KV-cached session over this module's blocks; `prompts` (len(self), P, H) are deep prompts, and `prefix`
+        (P, H) prompt-tuning prompts sent before the first token (see InferenceSession)."""
         return InferenceSession(self.manager, max_length, batch_size, start=self.start, end=self.end,
-                                active_adapter=active_adapter, prompts=prompts, prefix_length=prefix_length)
+                                active_adapter=active_adapter, prompts=prompts, prefix=prefix)

@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 FIRST_MESSAGE_TIMEOUT = 30.0  # seconds a new stream may take to say what it wants
 _M = TypeVar("_M", bound=Message)
+LINGER_TIMEOUT = 5.0  # seconds a finished stream waits for the client to close its end before closing ours
 
 
 class ConnectionHandler:
@@ -220,6 +221,7 @@ def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_w
                 reply = ErrorReply(code=ErrorCode.TIMEOUT, message="timed out waiting for the request")
             except Hangup:
                 logger.info("stream dropped on purpose peer=%s", peer)
+                return  # closed at once (`closing`), without waiting for the client
             except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError):
                 logger.debug("stream closed by peer=%s", peer)
             except asyncio.CancelledError:
@@ -233,6 +235,8 @@ def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_w
                     await asyncio.wait_for(reply_with(writer, reply), 5.0)
                 except (ConnectionError, asyncio.TimeoutError, RuntimeError, OSError):
                     logger.debug("could not deliver error to peer=%s", peer)
+            if reply is None or reply.code != ErrorCode.SHUTTING_DOWN:
+                await _await_peer_close(reader)
 
     return on_stream
 
@@ -250,3 +254,21 @@ def _legacy_stream(version: int, verb: str, metrics: ServerMetrics):
         await writer.drain()
 
     return _stream_adapter(refuse, verb, metrics, reply_with)
+
+
+async def _await_peer_close(reader: asyncio.StreamReader) -> None:
+    """Wait until the client closes its end of the stream (at most LINGER_TIMEOUT), discarding what it still sends.
+
+    The client closes first because closing ours first can lose the reply we just wrote: p2pd turns our close into
+    a FIN followed by a reset of the stream (its copy loop from the stream fails once the stream is closed for
+    reading), and a reset that reaches the client's p2pd before it has copied the reply out discards the reply. On a
+    busy machine that happened to about 1 rpc_info in 1000: the client saw the stream end without an answer.
+    """
+    async def drain() -> None:
+        while await reader.read(1 << 16):
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), LINGER_TIMEOUT)
+    except (asyncio.TimeoutError, ConnectionError, OSError):
+        pass
