@@ -133,8 +133,9 @@ GENERIC = "generic"  # the generic backend's family name
 # whole-model logits, cached decoding, batched and ragged steps). Another type whose layers fit also runs, with a
 # warning that it is unverified.
 GENERIC_VERIFIED: tuple[str, ...] = (
-    "cohere", "cohere2", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "gpt_oss", "granite", "helium", "olmo",
-    "olmo2", "olmo3", "olmoe", "phi3", "qwen2_moe", "qwen3_moe", "seed_oss", "smollm3", "starcoder2",
+    "cohere", "cohere2", "exaone4", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "gpt_oss", "granite", "helium",
+    "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "qwen2_moe", "qwen3_moe", "seed_oss", "smollm3",
+    "stablelm", "starcoder2",
 )
 
 

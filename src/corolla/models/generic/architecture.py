@@ -186,15 +186,17 @@ def _inspect(config: PretrainedConfig) -> GenericArchitecture:
 
 
 def _window_of(config: PretrainedConfig, layer: nn.Module, layer_type: str | None) -> int | None:
-    """A layer's attention window: its attention module's ``sliding_window`` where it keeps one (transformers sets
-    it per layer type), else ``config.sliding_window`` on sliding layers (all layers when there are no types)."""
+    """A layer's attention window, as transformers' masks apply it: ``config.sliding_window`` on layers whose
+    ``layer_types`` entry is sliding (none on the others); without layer types, on every layer whose attention
+    module does not say otherwise (``is_sliding`` / ``sliding_window``), as Mistral, Phi-3 and Qwen3-MoE do."""
+    window = getattr(config, "sliding_window", None)
     attention = getattr(layer, "self_attn", None)
-    if attention is not None and hasattr(attention, "sliding_window"):
+    if layer_type is not None:
+        window = window if layer_type == "sliding_attention" else None
+    elif attention is not None and hasattr(attention, "is_sliding"):
+        window = window if attention.is_sliding else None
+    elif attention is not None and hasattr(attention, "sliding_window"):
         window = attention.sliding_window
-    elif layer_type is not None:
-        window = getattr(config, "sliding_window", None) if layer_type == "sliding_attention" else None
-    else:
-        window = getattr(config, "sliding_window", None)
     return int(window) if window else None
 
 
