@@ -189,8 +189,8 @@ def get_family(config: PretrainedConfig) -> ModelFamily:
         generic = generic_family(config)
     except UnsupportedArchitecture as e:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported ({e}); supported model types: "
-            f"{', '.join(supported_model_types())}"
+            f"model_type {model_type!r} is not supported: our own blocks do not cover it and the generic backend "
+            f"cannot run it ({'; '.join(e.reasons)}); supported model types: {', '.join(supported_model_types())}"
         ) from e
     if model_type not in GENERIC_VERIFIED and family is None:
         logger.warning("model_type %r runs on the generic backend, which corolla's tests have not checked for it",

@@ -47,7 +47,12 @@ _UNMODELED_ATTRIBUTES: dict[str, str] = {
 
 
 class UnsupportedArchitecture(ValueError):
-    """The config cannot run on the generic backend; the message names every reason found."""
+    """The config cannot run on the generic backend; ``reasons`` (and the message) name every reason found."""
+
+    def __init__(self, model_type: str, reasons: list[str]) -> None:
+        super().__init__(f"model_type {model_type!r} cannot run on the generic backend: {'; '.join(reasons)}")
+        self.model_type = model_type
+        self.reasons = tuple(reasons)
 
 
 @dataclass(frozen=True)
@@ -128,8 +133,7 @@ def _meta_model(config: PretrainedConfig) -> nn.Module:
             return AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError, RuntimeError, AssertionError) as e:
         raise UnsupportedArchitecture(
-            f"model_type {config.model_type!r}: transformers cannot build a causal LM from this config "
-            f"({type(e).__name__}: {e})"
+            str(config.model_type), [f"transformers builds no causal LM from this config ({type(e).__name__}: {e})"]
         ) from e
 
 
@@ -143,14 +147,13 @@ def _inspect(config: PretrainedConfig) -> GenericArchitecture:
     model_type = str(getattr(config, "model_type", "") or "")
     problems = _config_problems(config)
     if problems:
-        raise UnsupportedArchitecture(f"model_type {model_type!r} cannot run on the generic backend: "
-                                      + "; ".join(problems))
+        raise UnsupportedArchitecture(model_type, problems)
     model = _meta_model(config)
     resolved = model.config
     base = getattr(model, "model", None) or model.base_model
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise UnsupportedArchitecture(f"model_type {model_type!r}: its model keeps no `layers` list of decoder layers")
+        raise UnsupportedArchitecture(model_type, ["its model keeps no `layers` list of decoder layers"])
     layers_path = _module_path(model, layers)
     classes = sorted({type(layer).__name__ for layer in layers})
     if len(classes) > 1:
@@ -165,23 +168,25 @@ def _inspect(config: PretrainedConfig) -> GenericArchitecture:
         problems.append(str(e))
     head, head_problems = _head_spec(model, base, layers_path, resolved)
     problems += head_problems
-    if problems:
-        raise UnsupportedArchitecture(f"model_type {model_type!r} cannot run on the generic backend: "
-                                      + "; ".join(problems))
-    assert signature is not None and rotary is not None and head is not None and layers_path is not None
-
     private = copy.deepcopy(resolved)
     implementation = str(private._attn_implementation or "eager")
     if implementation not in ATTENTION_IMPLEMENTATIONS:
         implementation = "sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager"
         private._attn_implementation = implementation
     layer_types = tuple(getattr(private, "layer_types", None) or (None,) * len(layers))
+    layout = None
+    if signature is not None and rotary is not None:
+        layout, probe_problems = _probe_layouts(layers, signature, type(rotary), private, layer_types)
+        problems += probe_problems
+    if problems:
+        raise UnsupportedArchitecture(model_type, problems)
+    assert signature is not None and rotary is not None and head is not None and layers_path is not None
+    assert layout is not None
     windows = tuple(_window_of(private, layer, layer_types[i]) for i, layer in enumerate(layers))
-    layouts = _probe_layouts(layers, signature, type(rotary), private, layer_types)
     return GenericArchitecture(
         model_type=model_type, config=private, layer_class=type(layers[0]), signature=signature,
-        rotary_class=type(rotary), layers_path=layers_path, num_layers=len(layers), n_kv_heads=layouts[0],
-        head_dim=layouts[1], windows=windows, layer_types=layer_types, attn_implementation=implementation, head=head,
+        rotary_class=type(rotary), layers_path=layers_path, num_layers=len(layers), n_kv_heads=layout[0],
+        head_dim=layout[1], windows=windows, layer_types=layer_types, attn_implementation=implementation, head=head,
     )
 
 
@@ -201,27 +206,27 @@ def _window_of(config: PretrainedConfig, layer: nn.Module, layer_type: str | Non
 
 
 def _probe_layouts(layers: nn.ModuleList, signature: LayerSignature, rotary_class: type[nn.Module],
-                   config: PretrainedConfig, layer_types: tuple[str | None, ...]) -> tuple[int, int]:
-    """(n_kv_heads, head_dim) shared by every layer, from what each layer stores in its cache (meta calls)."""
+                   config: PretrainedConfig, layer_types: tuple[str | None, ...]) -> tuple[tuple[int, int] | None, list[str]]:
+    """(n_kv_heads, head_dim) shared by every layer, from what each layer stores in its cache (meta calls), or the
+    reasons there is none."""
     rotaries: dict[str | None, RotaryCall] = {}
     layouts: dict[tuple[int, int], list[int]] = {}
-    try:
-        for index, layer in enumerate(layers):
-            layer_type = layer_types[index]
+    for index, layer in enumerate(layers):
+        layer_type = layer_types[index]
+        try:
             if layer_type not in rotaries:
                 rotaries[layer_type] = RotaryCall(rotary_class, config, layer_type)
             keys, values = probe_kv_shapes(layer, signature, rotaries[layer_type], index, int(config.hidden_size))
-            if keys[1] != values[1] or keys[3] != values[3]:
-                raise UnsupportedArchitecture(
-                    f"model_type {config.model_type!r}: layer {index} stores keys {keys} and values {values} of "
-                    "different shapes; corolla's cache holds keys and values of one (n_kv_heads, head_dim)")
-            layouts.setdefault((keys[1], keys[3]), []).append(index)
-    except LayerCallError as e:
-        raise UnsupportedArchitecture(f"model_type {config.model_type!r}: {e}") from e
+        except LayerCallError as e:
+            return None, [f"layer {index}: {e}"]
+        if keys[1] != values[1] or keys[3] != values[3]:
+            return None, [f"layer {index} stores keys {keys} and values {values} of different shapes; corolla's "
+                          "cache holds keys and values of one (n_kv_heads, head_dim)"]
+        layouts.setdefault((keys[1], keys[3]), []).append(index)
     if len(layouts) > 1:
-        described = "; ".join(f"layers {v[:4]}...: (n_kv_heads, head_dim)={k}" for k, v in layouts.items())
-        raise UnsupportedArchitecture(f"model_type {config.model_type!r}: KV layouts differ between layers ({described})")
-    return next(iter(layouts))
+        described = "; ".join(f"layers {v[:4]}: (n_kv_heads, head_dim)={k}" for k, v in layouts.items())
+        return None, [f"KV layouts differ between layers ({described})"]
+    return next(iter(layouts)), []
 
 
 def _head_spec(model: nn.Module, base: nn.Module, layers_path: str | None,
