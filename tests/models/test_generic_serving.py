@@ -1,9 +1,10 @@
-"""What a server does with blocks, on generic blocks: padded batches, batched decode beside a padded session, beam
-reordering, backward (server.padding, server.backend, server.backward), --quant int8/nf4 (server.quantization) and
+"""What a server does with blocks, on generic blocks: cache allocation (rings for sliding-window layers), padded
+batches, batched decode beside a padded session, beam reordering (sessions past the window: on rings), backward (server.padding, server.backend, server.backward), --quant int8/nf4 (server.quantization) and
 peft LoRA adapters (server.adapters, against peft itself)."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,21 @@ LENGTHS = (5, 2, 7)  # real tokens of three rows, left-padded to 7
 
 
 def stack_of(case_id: str) -> BlockStack:
+    """The blocks as a server stacks them: sliding-window layers of sessions over 2 x 4 + 1 tokens keep rings."""
     _, blocks, _ = generic_case(case_id)
+    config = case_config(case_id)
     return BlockStack(blocks, 0, 64, KVLayout(blocks[0].n_kv_heads, blocks[0].head_dim), torch.float32,
-                      torch.device("cpu"))
+                      torch.device("cpu"), cache_length=partial(get_family(config).cache_length, config))
+
+
+def test_a_stack_allocates_rings_for_sliding_layers_and_counts_their_bytes() -> None:
+    stack = stack_of("gemma2")  # layers 0 and 2 slide (window 4), 1 and 3 attend to everything
+    cache = stack.allocate_cache(3, 100, 1, 4)
+    assert [keys.shape for keys, _ in cache] == [(3, 2, 100, 16), (3, 2, 9, 16), (3, 2, 100, 16)]
+    per_position = 2 * 2 * 16 * 4  # keys and values, 2 KV heads of 16 float32
+    assert stack.cache_bytes(3, 100, 1, 4) == 3 * per_position * (100 + 9 + 100)
+    assert [k.shape[2] for k, _ in stack.allocate_cache(1, 8, 0, 4)] == [8, 8, 8, 8]  # short sessions: no ring
+    assert stack_of("qwen3_moe").cache_bytes(1, 100, 0, 4) == per_position * 400  # no sliding layer
 
 
 def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ from corolla.models.generic import (
     GenericBlock,
     GenericClientHead,
     UnsupportedArchitecture,
+    cache_length,
     inspect_architecture,
 )
 
@@ -52,6 +53,9 @@ class ModelFamily:
     num_blocks: Callable[[PretrainedConfig], int]  # number of transformer blocks
     # stored checkpoint name -> the name block_prefix/is_head_tensor use (checkpoints of one family may differ)
     canonical_name: Callable[[str], str] = lambda name: name
+    # (config, block index, session max_length) -> positions that block's KV cache keeps for the session: fewer
+    # than max_length for sliding-window layers that keep only a ring of recent positions (generic backend)
+    cache_length: Callable[[PretrainedConfig, int, int], int] = lambda config, index, max_length: max_length
 
     def block_tensors(self, tensors: Mapping[str, Tensor], index: int) -> dict[str, Tensor]:
         """Block ``index``'s tensors out of checkpoint tensors under canonical names, with the block prefix stripped."""
@@ -166,6 +170,8 @@ def generic_family(config: PretrainedConfig) -> ModelFamily:
         kv_layout=lambda c: (inspect_architecture(c).n_kv_heads, inspect_architecture(c).head_dim),
         num_blocks=lambda c: inspect_architecture(c).num_layers,
         canonical_name=canonical_name,
+        cache_length=lambda c, index, max_length: cache_length(
+            inspect_architecture(c).windows[index], inspect_architecture(c).head_dim, max_length),
     )
 
 

@@ -11,6 +11,7 @@ the same blocks can run together (`decode_batch`): each block then sees a `Ragge
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ class BlockStack:
         dtype: torch.dtype,
         device: torch.device,
         max_chunk_tokens: int = 2048,
+        cache_length: Callable[[int, int], int] | None = None,
     ):
         self.blocks = blocks
         self.start = start
@@ -57,14 +59,24 @@ class BlockStack:
         self.dtype = dtype
         self.device = device
         self.max_chunk_tokens = max_chunk_tokens
+        # (block index, session max_length) -> positions its cache keeps: the family's cache_length (fewer than
+        # max_length for sliding-window layers that keep a ring); every position by default
+        self.cache_length = cache_length or (lambda index, max_length: max_length)
 
     def allocate_cache(self, batch_size: int, max_length: int, start: int, end: int) -> KVCache:
-        """Zeroed caches for blocks [start, end) of this stack."""
-        shape = (batch_size, self.layout.n_kv_heads, max_length, self.layout.head_dim)
-        return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(start, end)
-        ]
+        """Zeroed caches for blocks [start, end) of this stack, block b's keys and values each
+        (batch_size, n_kv_heads, cache_length(b, max_length), head_dim)."""
+        caches = []
+        for index in range(start, end):
+            shape = (batch_size, self.layout.n_kv_heads, self.cache_length(index, max_length), self.layout.head_dim)
+            caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)))
+        return caches
+
+    def cache_bytes(self, batch_size: int, max_length: int, start: int, end: int) -> int:
+        """Bytes `allocate_cache` takes for such a session: what its blocks really keep (rings included)."""
+        per_position = self.layout.bytes_per_token(self.dtype, 1)  # keys and values of one position in one block
+        return batch_size * per_position * sum(self.cache_length(i, max_length) for i in range(start, end))
 
     def chunks(self, batch: int, length: int) -> list[tuple[int, int]]:
         """[offset, end) token ranges a (batch, length) step runs in: at most max_chunk_tokens (B x T) each, so
