@@ -20,9 +20,9 @@ A block call ``block(x, kv, position)`` gets one of:
 
   Positions [max(lost, end - ring), end) are intact. A step at position p <= end (p < end: a rollback) needs
   the keys [p - W + 1, p): it is refused with ``ValueError`` when some of them are gone (a rollback deeper than
-  ring - W + 1 tokens past a full window), before anything is written. The attention sees the ring as it was
-  before the step plus this step's own keys (so a chunk longer than the ring works too), then the step's last
-  min(T, ring) keys are written.
+  ring - W + 1 tokens past a full window), before anything is written. A step of T <= ring - W + 1 tokens (every
+  decode step) is written first and attends to the ring in place; a longer chunk attends to the ring as it was
+  before the step plus its own keys (a copy), then its last min(T, ring) keys are written.
 
 - ``kv`` a ``RaggedKV`` (T = 1): row i is one token of its own session at ``positions[i]`` with its own
   (1, n_kv_heads, S_i, head_dim) caches, plain or ring as above. The rows' keys are gathered into one padded
@@ -110,6 +110,13 @@ class _Ring:
         self.old_valid = (self.old_positions >= lost[:, None]) & (self.old_positions < position)
         self.new_end = torch.full_like(end, position + T)
         self.new_lost = torch.maximum(lost, self.new_end - self.ring)
+        # a step of at most ring - window + 1 tokens overwrites only keys older than its first query's window
+        self.writes_first = T <= self.ring - window + 1
+
+    def positions_after(self) -> Tensor:
+        """(B, ring): the position each slot holds once this step is written, -1 where it holds nothing valid."""
+        after = _ring_positions(self.new_end, self.ring)
+        return torch.where(after >= self.new_lost[:, None], after, -1)
 
     def write(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor) -> None:
         """Store the step's last min(T, ring) keys/values k, v (B, n_kv_heads, T, D) and the new bookkeeping."""
@@ -189,6 +196,14 @@ def kv_access(x: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None, position: 
     if _is_ring(window, head_dim, k_cache.shape[2]):
         assert window is not None
         ring = _Ring(k_cache, window, position, T)
+        if ring.writes_first:  # the step cannot overwrite a key its own window needs: attend to the ring itself
+            keys = ring.positions_after()  # (B, ring)
+
+            def exchange_in_place(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+                ring.write(k_cache, v_cache, k, v)
+                return k_cache[:, :, : ring.ring], v_cache[:, :, : ring.ring]  # views, no copy
+
+            return KVAccess(queries, keys, exchange_in_place, plain_prefix=False)
         keys = torch.cat([torch.where(ring.old_valid, ring.old_positions, -1), queries], dim=1)  # (B, ring + T)
 
         def exchange_ring(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -223,9 +238,7 @@ def _ragged_access(x: Tensor, kv: RaggedKV, *, n_kv_heads: int, head_dim: int, w
         if _is_ring(window, head_dim, k_cache.shape[2]):
             assert window is not None
             ring = _Ring(k_cache, window, position, 1)
-            # written first, then the whole ring is attended (one token cannot overwrite a key its window needs)
-            after = _ring_positions(ring.new_end, ring.ring)[0]  # (ring,)
-            key_rows.append(torch.where(after >= ring.new_lost[0], after, -1))
+            key_rows.append(ring.positions_after()[0])  # written first, then the whole ring is attended
             rows.append(((k_cache, v_cache), position, ring))
         else:
             if position >= k_cache.shape[2]:
