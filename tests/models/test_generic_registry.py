@@ -126,3 +126,19 @@ def test_a_tied_head_reads_no_lm_head_and_an_untied_one_needs_it() -> None:
     del state["lm_head.weight"]
     with pytest.raises(ValueError, match=r"missing keys \['lm_head.weight'\]"):
         GenericClientHead(untied).load_hf_state_dict(state)
+
+
+def test_the_readme_lists_exactly_what_corolla_models_prints() -> None:
+    from corolla.models.registry import models_table
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    listed = readme.split("<!-- corolla models -->\n")[1].split("\n<!-- /corolla models -->")[0]
+    assert listed == models_table()
+
+
+def test_tensor_parallelism_is_refused_for_the_generic_backend() -> None:
+    from corolla.server.tensor_parallel import check_tensor_parallel
+
+    config = case_config("qwen3_moe")
+    with pytest.raises(ValueError, match="tensor parallelism is not supported for generic"):
+        check_tensor_parallel(get_family(config), config, ["cpu", "cpu"])

@@ -202,3 +202,43 @@ def get_family(config: PretrainedConfig) -> ModelFamily:
         logger.warning("model_type %r runs on the generic backend, which corolla's tests have not checked for it",
                        model_type)
     return generic
+
+
+# Model types the generic backend refuses, listed in the README with the reasons the code gives for them.
+REFUSED_EXAMPLES: tuple[str, ...] = (
+    "deepseek_v3", "falcon_h1", "gemma3n_text", "gpt2", "jamba", "lfm2", "llama4_text", "mamba", "qwen3_next", "t5",
+)
+_FAMILY_NOTES: dict[str, str] = {  # family name -> what our own block covers
+    "llama": "our Llama-family block (GQA, rotary variants, Qwen biases and q/k norms, Mistral/Qwen sliding windows)",
+    "bloom": "our BLOOM block (ALiBi; hub checkpoints with or without the `transformer.` prefix)",
+    "falcon": "our Falcon block (7B multi-query and 40B/180B new decoder architecture; not ALiBi falcon-rw)",
+    "mixtral": "our Mixtral block (sparse MoE; per-expert hub tensors or transformers' fused layout)",
+}
+
+
+def refusal_reason(model_type: str) -> str:
+    """Why the generic backend refuses ``model_type``'s default config ("" if it does not)."""
+    from transformers import AutoConfig
+
+    try:
+        inspect_architecture(AutoConfig.for_model(model_type))
+    except UnsupportedArchitecture as e:
+        return "; ".join(e.reasons)
+    return ""
+
+
+def models_table() -> str:
+    """The README's list of supported models, generated from this module (``corolla models`` prints it): our own
+    families, the model types the generic backend is checked on, and example refusals with their reasons."""
+    lines = ["| backend | model types | blocks |", "|---|---|---|"]
+    for family in FAMILIES:
+        types = ", ".join(f"`{t}`" for t in family.model_types)
+        lines.append(f"| `{family.name}` | {types} | {_FAMILY_NOTES[family.name]} |")
+    verified = ", ".join(f"`{t}`" for t in GENERIC_VERIFIED)
+    lines.append(f"| `{GENERIC}` | {verified} | the installed transformers' own decoder layers, checked against HF |")
+    lines.append(f"| `{GENERIC}` | any other decoder-only type whose layers fit | the same, unverified (a warning at "
+                 "load) |")
+    lines += ["", "Refused (the reasons are the code's own, `corolla models` prints them for the installed "
+              "transformers):", ""]
+    lines += [f"- `{t}`: {refusal_reason(t)}" for t in REFUSED_EXAMPLES]
+    return "\n".join(lines)
