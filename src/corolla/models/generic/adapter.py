@@ -153,8 +153,13 @@ class RotaryCall:
         self.layer_type = layer_type if "layer_type" in parameters else None
         if "layer_type" in parameters and layer_type is None:
             raise LayerCallError(f"{rotary_class.__name__} needs a layer type, and the config has no layer_types")
-        with torch.device("cpu"):  # computed on the CPU in float32 whatever the defaults; moved on first use
-            self.module = rotary_class(config)
+        default_dtype = torch.get_default_dtype()
+        try:  # computed on the CPU in float32 whatever the defaults (a bfloat16 server sets them); moved on first use
+            torch.set_default_dtype(torch.float32)
+            with torch.device("cpu"):
+                self.module = rotary_class(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
         self.device = torch.device("cpu")
 
     def __call__(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
