@@ -142,3 +142,16 @@ def test_tensor_parallelism_is_refused_for_the_generic_backend() -> None:
     config = case_config("qwen3_moe")
     with pytest.raises(ValueError, match="tensor parallelism is not supported for generic"):
         check_tensor_parallel(get_family(config), config, ["cpu", "cpu"])
+
+
+def test_corolla_models_prints_the_table_and_answers_help() -> None:
+    import subprocess
+    import sys
+
+    from corolla.models.registry import models_table
+
+    run = [sys.executable, "-m", "corolla.cli.main", "models"]
+    printed = subprocess.run(run, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert printed.returncode == 0 and printed.stdout.rstrip("\n") == models_table()
+    helped = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert helped.returncode == 0 and "usage: corolla models" in helped.stdout

@@ -135,7 +135,9 @@ def call_layer(layer: nn.Module, signature: LayerSignature, hidden: Tensor, *, a
 
 def build_layer(layer_class: type[nn.Module], config: PretrainedConfig, layer_idx: int) -> nn.Module:
     """``layer_class(config, layer_idx)`` with its weights left uninitialized (they are loaded right after; buffers
-    the constructor computes are kept). In the current default dtype and device (``torch.device("meta")`` works)."""
+    the constructor computes are kept). In the current default dtype and device (``torch.device("meta")`` works).
+    transformers' ``no_init_weights`` swaps torch's init functions for no-ops while the layer is built, process-wide,
+    as its own ``from_pretrained`` does; so no other thread should build modules meanwhile."""
     with no_init_weights():
         return layer_class(config, layer_idx)
 
