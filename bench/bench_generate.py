@@ -346,8 +346,8 @@ def goals(results: dict) -> dict:
         "prefill_le_1.2x_local": {name: r["ratios"]["prefill"] <= 1.2 for name, r in results.items()},
         # our own block vs the generic backend on one checkpoint (X and X@generic): swarm time, generic / ours
         "generic_vs_our_block": {
-            name: {"decode": round(r["swarm"]["decode_ms_per_token"] / results[base_name(name)]["swarm"]["decode_ms_per_token"], 3),
-                   "prefill": round(r["swarm"]["prefill_s"] / results[base_name(name)]["swarm"]["prefill_s"], 3)}
+            name: {key: round(r["swarm"][key] / results[base_name(name)]["swarm"][key], 3)
+                   for key in ("decode_ms_per_token", "prefill_s")}
             for name, r in results.items() if name.endswith(GENERIC_SUFFIX) and base_name(name) in results
         },
     }

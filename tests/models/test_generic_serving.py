@@ -1,6 +1,7 @@
 """What a server does with blocks, on generic blocks: cache allocation (rings for sliding-window layers), padded
-batches, batched decode beside a padded session, beam reordering (sessions past the window: on rings), backward (server.padding, server.backend, server.backward), --quant int8/nf4 (server.quantization) and
-peft LoRA adapters (server.adapters, against peft itself)."""
+batches, batched decode beside a padded session, beam reordering (sessions past the window: on rings), backward
+(server.padding, server.backend, server.backward), --quant int8/nf4 (server.quantization) and peft LoRA adapters
+(server.adapters, against peft itself)."""
 
 from __future__ import annotations
 

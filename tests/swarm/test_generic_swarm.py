@@ -5,7 +5,9 @@ Each type gets its own 2-server swarm (blocks 0:2 and 2:4 of a 4-layer checkpoin
 the module, so the whole module pays one start-up. Every type: logits within 1e-4, 20 greedy tokens equal to HF
 ``generate``, a two-turn session equal to a fresh run. Sliding-window types (window 4) run far past their window,
 on ring caches. One type each also checks: a shallow rollback, two sessions decoding at different lengths at once,
-a padded batch (ragged decode), beam search, a training gradient, a LoRA adapter (against peft) and an int8 server.
+a padded batch (ragged decode), beam search, a training gradient, a LoRA adapter (against peft), an int8 server
+(its own DHT prefix), and failover: a gemma3_text replica of blocks 0:2 takes over a session when the preferred
+server is killed mid-generation (the last test).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ SLIDING = ("gemma2", "gemma3_text", "cohere2", "gpt_oss")
 ZERO_CENTERED_NORMS = ("gemma2", "gemma3_text")  # norms scale by 1 + weight
 LORA_TYPE, LORA_TARGETS = "cohere2", ["q_proj", "v_proj", "o_proj", "down_proj"]
 QUANT_TYPE = "olmo2"  # also served whole by an int8 server under its own DHT prefix
-# no throughput or bandwidth measurement: 17 servers start at once on a busy machine
+FAILOVER_TYPE = "gemma3_text"  # its 0:2 server is preferred by routes and killed by the last test; a replica takes over
+# no throughput or bandwidth measurement: 18 servers start at once on a busy machine
 FAST_START = ["--throughput", "100", "--network-bandwidth", "1000"]
 
 
@@ -88,6 +91,7 @@ class GenericSwarms:
         self.local, self.paths, self.adapter = local, paths, adapter
         self.peers: list[str] = []
         self.peer_ids: dict[str, str] = {}
+        self.procs: dict[str, object] = {}
         self._clients: dict[tuple[object, ...], AutoDistributedModelForCausalLM] = {}
         self._references: dict[str, torch.nn.Module] = {}
 
@@ -97,14 +101,19 @@ class GenericSwarms:
         for model_type, path in self.paths.items():
             extra = ["--adapters", self.adapter] if model_type == LORA_TYPE else []
             for blocks in ("0:2", "2:4"):
+                speed = ["--throughput", "1000"] if (model_type, blocks) == (FAILOVER_TYPE, "0:2") else []
                 procs[f"{model_type}-{blocks}"] = self.local.start_server(
-                    path, ["--blocks", blocks, *extra, *FAST_START, *SERVER_ARGS], name=f"{model_type}-{blocks}",
+                    path, ["--blocks", blocks, *extra, *FAST_START, *speed, *SERVER_ARGS], name=f"{model_type}-{blocks}",
                     wait=False)
+        procs["replica"] = self.local.start_server(
+            self.paths[FAILOVER_TYPE], ["--blocks", "0:2", "--throughput", "10", "--network-bandwidth", "1000",
+                                        *SERVER_ARGS], name="replica", wait=False)
         procs["int8"] = self.local.start_server(
             self.paths[QUANT_TYPE], ["--blocks", "0:4", "--quant", "int8", "--dht-prefix", "int8", *FAST_START,
                                      *SERVER_ARGS], name="int8", wait=False)
         for proc in procs.values():
             self.local.wait_ready(proc, 600)
+        self.procs = procs
         self.peer_ids = {name: _peer_id_from_log(proc.tail(200)) for name, proc in procs.items()}
 
     def client(self, model_type: str, prefix: str | None = None, **config: object) -> AutoDistributedModelForCausalLM:
@@ -276,3 +285,32 @@ def test_an_int8_generic_server_stays_close_to_the_float_model(swarms: GenericSw
     got = model(ids).logits
     assert 1 - F.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item() < 1e-3
     assert not torch.equal(got, expected)  # really quantized
+
+
+class _KillAfter:
+    """A streamer that SIGKILLs a server right after the ``n``-th generated token."""
+
+    def __init__(self, n: int, kill) -> None:
+        self.n, self.kill, self.seen = n, kill, -1
+
+    def put(self, value) -> None:
+        self.seen += 1
+        if self.seen == self.n:
+            self.kill()
+
+    def end(self) -> None:
+        pass
+
+
+def test_killing_a_server_mid_generation_replays_the_session_onto_the_replica(swarms: GenericSwarms) -> None:
+    """Runs last in this module (it consumes the preferred server). The replica rebuilds the session's ring caches
+    from the replayed history, a prefill chunk longer than the ring."""
+    model, reference = swarms.client(FAILOVER_TYPE), swarms.reference(FAILOVER_TYPE)
+    ids = prompt(20, seed=16)
+    victim = swarms.procs[f"{FAILOVER_TYPE}-0:2"]
+    with model.inference_session(max_length=64) as session:
+        out = model.generate(ids, max_new_tokens=20, session=session, eos_token_id=None,
+                             streamer=_KillAfter(8, lambda: swarms.local.kill(victim)))
+        ended_on = [span.span.peer_id for span in session._spans]
+    assert swarms.peer_ids["replica"] in ended_on and swarms.peer_ids[f"{FAILOVER_TYPE}-0:2"] not in ended_on
+    assert torch.equal(out, hf_generate(reference, ids, max_new_tokens=20))

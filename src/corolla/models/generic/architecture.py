@@ -205,8 +205,10 @@ def _window_of(config: PretrainedConfig, layer: nn.Module, layer_type: str | Non
     return int(window) if window else None
 
 
-def _probe_layouts(layers: nn.ModuleList, signature: LayerSignature, rotary_class: type[nn.Module],
-                   config: PretrainedConfig, layer_types: tuple[str | None, ...]) -> tuple[tuple[int, int] | None, list[str]]:
+def _probe_layouts(
+    layers: nn.ModuleList, signature: LayerSignature, rotary_class: type[nn.Module], config: PretrainedConfig,
+    layer_types: tuple[str | None, ...],
+) -> tuple[tuple[int, int] | None, list[str]]:
     """(n_kv_heads, head_dim) shared by every layer, from what each layer stores in its cache (meta calls), or the
     reasons there is none."""
     rotaries: dict[str | None, RotaryCall] = {}
