@@ -105,6 +105,10 @@ def inspect_architecture(config: PretrainedConfig) -> GenericArchitecture:
         found = _CACHE.get(key)
     if found is None:
         found = _inspect(config)
+        sliding = sorted({w for w in found.windows if w})
+        logger.info("generic backend: model_type=%s layer=%s attention=%s kv=(%d heads, %d dims) windows=%s",
+                    found.model_type, found.layer_class.__name__, found.attn_implementation, found.n_kv_heads,
+                    found.head_dim, sliding or "none")
         with _CACHE_LOCK:
             _CACHE[key] = found
     return found
