@@ -17,7 +17,9 @@ families take ``position_embeddings`` second)::
 The layer's attention calls ``cache.update(keys, values, layer_idx, ...)`` with this step's keys and values
 (B, n_kv_heads, T, head_dim) after rotary, and attends to what it returns: our ``BufferCacheLayer`` stores them
 in the session's buffers and returns the keys and values the mask was built for (generic.kv). There is no
-``cache_position`` in transformers 5.x; positions travel as ``position_ids`` and inside cos/sin.
+``cache_position`` in transformers 5.x; positions travel as ``position_ids`` and inside cos/sin. ``BufferCacheLayer``
+implements transformers' cache-layer interface (``CacheLayerMixin``, which transformers documents for custom caches);
+the decoder layers themselves are only called.
 """
 
 from __future__ import annotations
