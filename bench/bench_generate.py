@@ -1,7 +1,10 @@
 """Benchmark: local Hugging Face greedy generation vs. the same model through a local corolla swarm.
 
-For each model (random weights, float32, from any family corolla serves: Llama/Mistral/Qwen2/Qwen3, BLOOM,
-Falcon, Mixtral) the swarm is a DHT peer plus two servers holding half the blocks each, all on this machine.
+For each model (random weights, float32, from any family corolla serves: our own blocks for Llama/Mistral/Qwen2/
+Qwen3, BLOOM, Falcon, Mixtral, the generic backend for the rest, e.g. Qwen3-MoE and Gemma 3) the swarm is a DHT peer
+plus two servers holding half the blocks each, all on this machine. A model name ending in ``@generic`` runs the same
+checkpoint with servers forced onto the generic backend (``COROLLA_BACKEND=generic``), so ``tinyllama8@generic``
+prices the generic path against our own Llama block.
 Both sides run the same greedy loop and are timed the same way:
 
 * prefill (time to first token): the prompt's forward with a KV cache, the last position's logits, argmax;
@@ -12,6 +15,7 @@ OpenMP pools do not fight over the cores. Prints one JSON object on stdout; prog
 
     python bench/bench_generate.py --models tiny --repeats 3
     python bench/bench_generate.py --models families     # one 8-layer realistic-shape checkpoint per family
+    python bench/bench_generate.py --models generic      # Qwen3-MoE and Gemma-3 shapes; our Llama block vs generic
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
     FalconConfig,
+    Gemma3TextConfig,
     LlamaConfig,
     MixtralConfig,
     PretrainedConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 # Token ids every checkpoint gets; eos_token_id=None: greedy runs never stop early.
@@ -67,6 +73,18 @@ MODELS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "falcon-7b8": (FalconConfig, {"hidden_size": 4544, "num_hidden_layers": 8, "num_attention_heads": 71,
                                   "multi_query": True, "new_decoder_architecture": False, "vocab_size": 32000,
                                   **FALCON_ROTARY}),
+    # generic backend (the `generic` shortcut): 8 layers at the real models' widths, vocab 32000.
+    # Qwen3-30B-A3B's widths, 32 of its 128 experts (the same 8 active per token; 128 would not fit in memory here)
+    "qwen3moe8": (Qwen3MoeConfig, {"hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 32,
+                                   "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768,
+                                   "intermediate_size": 6144, "num_experts": 32, "num_experts_per_tok": 8,
+                                   "norm_topk_prob": True, "vocab_size": 32000, "rms_norm_eps": 1e-6}),
+    # Gemma-3-4B's widths: 5 sliding layers (window 1024, rotary base 1e4) per global one (base 1e6), head_dim 256
+    "gemma3-4b8": (Gemma3TextConfig, {"hidden_size": 2560, "num_hidden_layers": 8, "num_attention_heads": 8,
+                                      "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 10240,
+                                      "sliding_window": 1024, "query_pre_attn_scalar": 256, "vocab_size": 32000,
+                                      "layer_types": ["sliding_attention"] * 5 + ["full_attention"]
+                                      + ["sliding_attention"] * 2}),
     # the same families at hidden 64 (the `tiny-families` shortcut): a quick check that every code path runs
     "tiny-qwen3": (Qwen3Config, {**TINY, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 32,
                                  "intermediate_size": 128, "tie_word_embeddings": True}),
@@ -77,10 +95,18 @@ MODELS: dict[str, tuple[type[PretrainedConfig], dict]] = {
                                      "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     "tiny-falcon7b": (FalconConfig, {**TINY, "num_hidden_layers": 4, "multi_query": True,
                                      "new_decoder_architecture": False, **FALCON_ROTARY}),
+    "tiny-qwen3moe": (Qwen3MoeConfig, {**TINY, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                       "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}),
+    "tiny-gemma3": (Gemma3TextConfig, {**TINY, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                       "intermediate_size": 128, "sliding_window": 4, "query_pre_attn_scalar": 16,
+                                       "layer_types": ["sliding_attention", "full_attention"] * 2}),
 }
+GENERIC_SUFFIX = "@generic"  # e.g. tinyllama8@generic: that checkpoint, servers forced onto the generic backend
 FAMILY_MODELS = ("qwen3-0.6b8", "bloom-1b1-8", "falcon40b-shape-1b8", "mixtral-1b8", "falcon-7b8")  # smallest first
-SHORTCUTS = {"families": FAMILY_MODELS, "tiny-families": tuple(n for n in MODELS if n.startswith("tiny-"))}
-CACHED = {"tinyllama8", *FAMILY_MODELS}  # built once into the cache dir and reused; the others go to a temp dir
+GENERIC_MODELS = ("qwen3moe8", "gemma3-4b8", "tinyllama8", f"tinyllama8{GENERIC_SUFFIX}")
+SHORTCUTS = {"families": FAMILY_MODELS, "tiny-families": tuple(n for n in MODELS if n.startswith("tiny-")),
+             "generic": GENERIC_MODELS}
+CACHED = {"tinyllama8", *FAMILY_MODELS, "qwen3moe8", "gemma3-4b8"}  # built once into the cache dir and reused
 METHOD = (
     "Identical greedy loop on both sides, each timed with perf_counter after one untimed warm-up run. "
     "prefill_s = prompt forward with KV cache + logits of the last position only (local: "
@@ -91,7 +117,9 @@ METHOD = (
     "KV cache / inference session per repeat. One torch thread in every process (client, local baseline and each "
     "server via --num-threads 1). The local model is timed before the swarm starts (no competing processes). "
     "Diagnostic, not used in ratios: swarm.prefill_open_session_s = the same prefill re-run after rolling the "
-    "open session back to position 0, i.e. prefill without the cost of opening the session."
+    "open session back to position 0, i.e. prefill without the cost of opening the session. "
+    "A name ending in @generic: the same checkpoint and local baseline, servers started with COROLLA_BACKEND=generic "
+    "(client unchanged)."
 )
 
 
@@ -99,9 +127,14 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+def base_name(name: str) -> str:
+    """The checkpoint a benchmark name runs: `name` without a backend suffix."""
+    return name.removesuffix(GENERIC_SUFFIX)
+
+
 def model_config(name: str) -> PretrainedConfig:
     """The HF config of benchmark model `name` (MODELS' arguments plus SPECIAL_TOKENS)."""
-    config_class, kwargs = MODELS[name]
+    config_class, kwargs = MODELS[base_name(name)]
     return config_class(**kwargs, **SPECIAL_TOKENS)
 
 
@@ -111,6 +144,7 @@ def build_model(name: str, cache_root: Path, tmp_root: Path) -> Path:
     The model exists only inside this call: it is deleted and collected before returning, so that the
     checkpoints of several models are never in memory together, nor with the local baseline loaded next.
     """
+    name = base_name(name)
     path = (cache_root if name in CACHED else tmp_root) / name
     if (path / "COMPLETE").exists():
         log(f"{name}: reusing {path}")
@@ -205,13 +239,15 @@ def time_local(
 
 
 @torch.inference_mode()
-def bench_swarm(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int, num_layers: int) -> tuple[dict, list[int], bool]:
-    """Start a DHT peer and two servers (half the blocks each), time the same loop through an inference session."""
+def bench_swarm(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int, num_layers: int,
+                server_env: dict[str, str] | None = None) -> tuple[dict, list[int], bool]:
+    """Start a DHT peer and two servers (half the blocks each; `server_env` added to their environment), time the
+    same loop through an inference session."""
     from corolla import AutoDistributedModelForCausalLM
     from corolla.cli.local_swarm import LocalSwarm
 
     half = num_layers // 2
-    with LocalSwarm() as swarm:
+    with LocalSwarm(env=server_env) as swarm:
         peers = swarm.start_dht()
         servers = [swarm.start_server(str(path), ["--blocks", blocks, "--num-threads", "1"], wait=False)
                    for blocks in (f"0:{half}", f"{half}:{num_layers}")]
@@ -257,19 +293,26 @@ def peak_rss_mb(pid: int | None = None) -> float | None:
     return None
 
 
-def bench_model(name: str, args: argparse.Namespace, cache_root: Path, tmp_root: Path) -> dict:
+def bench_model(name: str, args: argparse.Namespace, cache_root: Path, tmp_root: Path,
+                locals_done: dict[str, tuple]) -> dict:
     path = build_model(name, cache_root, tmp_root)
     config = model_config(name)
     ids = torch.randint(3, config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    log(f"{name}: local HF ({args.repeats} repeats)")
-    local, local_tokens, local_gen_ok, n_params = bench_local(path, ids, args.new_tokens, args.repeats)
+    if base_name(name) in locals_done:  # the same checkpoint's baseline, already timed in this run
+        local, local_tokens, local_gen_ok, n_params = locals_done[base_name(name)]
+    else:
+        log(f"{name}: local HF ({args.repeats} repeats)")
+        local, local_tokens, local_gen_ok, n_params = bench_local(path, ids, args.new_tokens, args.repeats)
+        locals_done[base_name(name)] = (local, local_tokens, local_gen_ok, n_params)
     log(f"{name}: local {local['prefill_s']} s prefill, {local['decode_ms_per_token']} ms/token; starting swarm")
-    swarm, swarm_tokens, swarm_gen_ok = bench_swarm(path, ids, args.new_tokens, args.repeats, config.num_hidden_layers)
+    env = {"COROLLA_BACKEND": "generic"} if name.endswith(GENERIC_SUFFIX) else None
+    swarm, swarm_tokens, swarm_gen_ok = bench_swarm(path, ids, args.new_tokens, args.repeats, config.num_hidden_layers,
+                                                    env)
     log(f"{name}: swarm {swarm['prefill_s']} s prefill, {swarm['decode_ms_per_token']} ms/token")
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return {
-        "config": {"model_type": config.model_type, **MODELS[name][1], "parameters": n_params,
-                   "checkpoint_bytes": size},
+        "config": {"model_type": config.model_type, **MODELS[base_name(name)][1], "parameters": n_params,
+                   "checkpoint_bytes": size, "server_backend": backend_of(name, config)},
         "local": local,
         "swarm": swarm,
         "ratios": {
@@ -284,15 +327,29 @@ def bench_model(name: str, args: argparse.Namespace, cache_root: Path, tmp_root:
     }
 
 
+def backend_of(name: str, config: PretrainedConfig) -> str:
+    """Which backend the servers of benchmark `name` run: "generic" or our own family's name."""
+    from corolla.models.registry import _BY_MODEL_TYPE
+
+    family = _BY_MODEL_TYPE.get(config.model_type)
+    return "generic" if name.endswith(GENERIC_SUFFIX) or family is None else family.name
+
+
 def goals(results: dict) -> dict:
-    """The issue's targets, each True/False (None when that model was not run)."""
+    """The issue's targets, each True/False (None when that model was not run), and the generic path's cost."""
     tiny, big = results.get("tiny"), results.get("tinyllama8")
     return {
         "tinyllama8_decode_le_1.10x_local": None if big is None else big["ratios"]["decode"] <= 1.10,
         "tiny_decode_le_local_plus_2ms": None if tiny is None else tiny["decode_overhead_ms_per_token"] <= 2.0,
         **{f"{name}_decode_le_1.10x_local": results[name]["ratios"]["decode"] <= 1.10
-           for name in FAMILY_MODELS if name in results},  # only the per-family models that were run
+           for name in (*FAMILY_MODELS, *GENERIC_MODELS) if name in results},  # only the models that were run
         "prefill_le_1.2x_local": {name: r["ratios"]["prefill"] <= 1.2 for name, r in results.items()},
+        # our own block vs the generic backend on one checkpoint (X and X@generic): swarm time, generic / ours
+        "generic_vs_our_block": {
+            name: {key: round(r["swarm"][key] / results[base_name(name)]["swarm"][key], 3)
+                   for key in ("decode_ms_per_token", "prefill_s")}
+            for name, r in results.items() if name.endswith(GENERIC_SUFFIX) and base_name(name) in results
+        },
     }
 
 
@@ -317,7 +374,7 @@ def main() -> int:
                         help="where the large checkpoints are built once and reused ($COROLLA_BENCH_CACHE)")
     args = parser.parse_args()
     names = expand_models(args.models)
-    unknown = [n for n in names if n not in MODELS]
+    unknown = [n for n in names if base_name(n) not in MODELS]
     if unknown or args.repeats < 1 or args.new_tokens < 2 or args.prompt_tokens < 1:
         parser.error(f"unknown models {unknown}" if unknown else "need repeats >= 1, new-tokens >= 2, prompt-tokens >= 1")
 
@@ -325,8 +382,9 @@ def main() -> int:
     started = time.perf_counter()
     results = {}
     with tempfile.TemporaryDirectory(prefix="corolla-bench-") as tmp:
+        locals_done: dict[str, tuple] = {}
         for name in names:
-            results[name] = bench_model(name, args, Path(args.cache_dir), Path(tmp))
+            results[name] = bench_model(name, args, Path(args.cache_dir), Path(tmp), locals_done)
     report = {
         "models": results,
         "goals": goals(results),

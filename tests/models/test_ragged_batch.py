@@ -66,10 +66,13 @@ def test_ragged_rows_of_one_session_with_batch_two_write_their_own_rows():
     torch.testing.assert_close(batched[1][0], cache[1][0], atol=1e-5, rtol=0)
 
 
-def test_ragged_rejects_positions_outside_the_cache():
+def test_ragged_rejects_negative_positions_and_attend_rejects_positions_outside_the_cache():
     k = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=">= 0"):
+        RaggedKV([(k, k)], [-1])
+    step = torch.zeros(1, 2, 1, 8)  # (B, heads, 1, D)
     with pytest.raises(ValueError, match="outside a cache of length 4"):
-        RaggedKV([(k, k)], [4])
+        RaggedKV([(k, k)], [4]).attend(step, step, step, scale=1.0)
 
 
 @torch.no_grad()

@@ -22,7 +22,9 @@ class RaggedKV:
     """Row i of the batch is one token at ``positions[i]`` of a session whose cache is ``caches[i]``.
 
     ``caches[i] = (k, v)``, each (1, n_kv_heads, S_max_i, head_dim): views into that session's cache tensors,
-    so writes land in the session's cache.
+    so writes land in the session's cache. A position may lie past S_max_i: a block that keeps a ring of recent
+    positions (the generic backend's sliding-window layers) reads its caches its own way; ``attend`` requires
+    ``positions[i] < S_max_i``.
     """
 
     caches: Sequence[tuple[Tensor, Tensor]]
@@ -31,9 +33,8 @@ class RaggedKV:
     def __post_init__(self) -> None:
         if len(self.caches) != len(self.positions) or not self.caches:
             raise ValueError(f"{len(self.caches)} caches for {len(self.positions)} positions")
-        for (k_cache, _), position in zip(self.caches, self.positions):
-            if not 0 <= position < k_cache.shape[2]:
-                raise ValueError(f"position {position} is outside a cache of length {k_cache.shape[2]}")
+        if any(position < 0 for position in self.positions):
+            raise ValueError(f"positions must be >= 0, got {list(self.positions)}")
 
     def rotary(self, table: Callable[..., tuple[Tensor, Tensor]], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
         """Per-row cos and sin, each (B, 1, 1, head_dim), from ``table(position, length, dtype=, device=)``."""
@@ -49,6 +50,9 @@ class RaggedKV:
         Row i sees its keys ``[0, positions[i]]`` (within ``window`` if given). ``bias(L)`` adds an extra
         (1, n_heads, 1, L) term over key positions ``[0, L)`` (ALiBi).
         """
+        for (k_cache, _), position in zip(self.caches, self.positions):
+            if position >= k_cache.shape[2]:
+                raise ValueError(f"position {position} is outside a cache of length {k_cache.shape[2]}")
         B, n_kv, _, D = k.shape
         length = max(self.positions) + 1
         keys = k.new_zeros(B, n_kv, length, D)

@@ -8,6 +8,7 @@ run together (`decode_batch`): each block then takes a ragged view of the rows' 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,6 +56,7 @@ class BlockStack:
         device: torch.device,
         max_chunk_tokens: int = 2048,
         cache: type[SessionKV] = PlainKV,
+        cache_length: Callable[[int, int], int] | None = None,
     ):
         self.blocks = blocks
         self.start = start
@@ -65,13 +67,23 @@ class BlockStack:
         self.device = device
         self.max_chunk_tokens = max_chunk_tokens
         self.cache_class = cache
+        # (block index, session max_length) -> positions its cache keeps: the family's cache_length (fewer than
+        # max_length for sliding-window layers that keep a ring); every position by default
+        self.cache_length = cache_length or (lambda index, max_length: max_length)
 
     def allocate_cache(self, batch_size: int, max_length: int, start: int, end: int) -> SessionKV:
-        """A zeroed session cache for blocks [start, end) of this stack, `max_length` positions each."""
+        """A zeroed session cache for blocks [start, end) of this stack, block b keeping cache_length(b, max_length)
+        positions."""
         return self.cache_class.allocate(
-            self.blocks[start - self.start : end - self.start], start, batch_size, max_length,
+            self.blocks[start - self.start : end - self.start], start, batch_size,
+            [self.cache_length(index, max_length) for index in range(start, end)],
             self.layout.n_kv_heads, self.layout.head_dim, self.dtype, self.device,
         )
+
+    def cache_bytes(self, batch_size: int, max_length: int, start: int, end: int) -> int:
+        """Bytes `allocate_cache` takes for such a session: what its blocks really keep (rings included)."""
+        per_position = self.layout.bytes_per_token(self.dtype, 1)  # keys and values of one position in one block
+        return batch_size * per_position * sum(self.cache_length(i, max_length) for i in range(start, end))
 
     def chunks(self, batch: int, length: int) -> ChunkRanges:
         """[offset, end) token ranges a (batch, length) step runs in: at most max_chunk_tokens (B x T) each, so

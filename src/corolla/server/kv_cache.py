@@ -12,9 +12,9 @@ only moves rows around (`rows`, `reorder`, `pairs`) is shared. A block writes th
 [position, position + T) in place. For a batched decode step (continuous batching) a block instead takes
 ``ragged(rows, i)``: each row's own cache at its own position (`corolla.models.ragged.RaggedKV`, one per shard).
 
-``capacity(i)`` is how many positions block i can hold. Today every block holds the session's max_length; a
-block that needs fewer (a sliding-window layer keeping only its window) would be allocated shorter here, once
-blocks agree on how positions past the capacity wrap.
+``capacity(i)`` is how many positions block i can hold: the session's max_length, or fewer for a block whose layer
+keeps only a ring of recent positions (the generic backend's sliding-window layers, see ModelFamily.cache_length);
+such a block wraps positions past its capacity itself.
 
 Everything here runs on the compute thread.
 """
@@ -82,10 +82,11 @@ class SessionKV:
                 tensor[:, :, :length] = tensor[:, :, :length].index_select(0, ids)
 
     @classmethod
-    def allocate(cls, blocks: Sequence[nn.Module], start: int, batch_size: int, max_length: int, n_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> Self:
-        """A zeroed cache of `max_length` positions for `batch_size` rows of `blocks` (the first is block `start`);
-        `n_kv_heads`, `head_dim` are one block's (all shards together), `device` the stack's."""
+    def allocate(cls, blocks: Sequence[nn.Module], start: int, batch_size: int, max_length: int | Sequence[int],
+                 n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> Self:
+        """A zeroed cache for `batch_size` rows of `blocks` (the first is block `start`): `max_length` positions per
+        block, or max_length[j] for blocks[j]; `n_kv_heads`, `head_dim` are one block's (all shards together),
+        `device` the stack's."""
         raise NotImplementedError
 
     def kv(self, index: int) -> object:
@@ -110,12 +111,14 @@ class PlainKV(SessionKV):
     """One (k_cache, v_cache) pair per block: what every model block takes (see the module docstring)."""
 
     @classmethod
-    def allocate(cls, blocks: Sequence[nn.Module], start: int, batch_size: int, max_length: int, n_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> Self:
-        """Keys and values (B, n_kv_heads, max_length, head_dim) per block, on `device`."""
-        shape = (batch_size, n_kv_heads, max_length, head_dim)
-        return cls(start, [((torch.zeros(shape, dtype=dtype, device=device),
-                             torch.zeros(shape, dtype=dtype, device=device)),) for _ in blocks])
+    def allocate(cls, blocks: Sequence[nn.Module], start: int, batch_size: int, max_length: int | Sequence[int],
+                 n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> Self:
+        """Keys and values (B, n_kv_heads, S_j, head_dim) per block j, on `device`."""
+        layers = []
+        for length in _lengths(max_length, len(blocks)):
+            shape = (batch_size, n_kv_heads, length, head_dim)
+            layers.append(((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)),))
+        return cls(start, layers)
 
     def kv(self, index: int) -> KVPair:
         return self._layers[index - self.start][0]
@@ -129,10 +132,11 @@ class ShardedKV(SessionKV):
     """A (k_cache, v_cache) pair per shard of every block (tensor parallelism, server.tensor_parallel)."""
 
     @classmethod
-    def allocate(cls, blocks: Sequence[nn.Module], start: int, batch_size: int, max_length: int, n_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> Self:
+    def allocate(cls, blocks: Sequence[nn.Module], start: int, batch_size: int, max_length: int | Sequence[int],
+                 n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> Self:
         """Per block, its own `allocate_kv`: each shard's heads on that shard's device."""
-        return cls(start, [block.allocate_kv(batch_size, max_length, dtype) for block in blocks])
+        return cls(start, [block.allocate_kv(batch_size, length, dtype)
+                           for block, length in zip(blocks, _lengths(max_length, len(blocks)))])
 
     def kv(self, index: int) -> tuple[KVPair, ...]:
         return self._layers[index - self.start]
@@ -141,3 +145,12 @@ class ShardedKV(SessionKV):
     def ragged(cls, rows: Sequence[RaggedRow], index: int) -> tuple[RaggedKV, ...]:
         shards = len(rows[0].cache._layers[index - rows[0].cache.start])
         return tuple(cls._ragged_shard(rows, index, shard) for shard in range(shards))
+
+
+def _lengths(max_length: int | Sequence[int], blocks: int) -> list[int]:
+    """Positions per block: `max_length` for each, or the given list (one per block)."""
+    if isinstance(max_length, int):
+        return [max_length] * blocks
+    if len(max_length) != blocks:
+        raise ValueError(f"{len(max_length)} cache lengths for {blocks} blocks")
+    return list(max_length)

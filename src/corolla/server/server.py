@@ -8,6 +8,7 @@ better (`should_move`); if so it goes OFFLINE for its blocks and through JOINING
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -359,10 +360,19 @@ class Server:
                 blocks, self.start_block, self.model_config.hidden_size, KVLayout(n_kv_heads, head_dim),
                 self.dtype, self.config.max_chunk_tokens,
             )
-        return BlockStack(
+        stack = BlockStack(
             blocks, self.start_block, self.model_config.hidden_size, KVLayout(n_kv_heads, head_dim),
             self.dtype, self.device, self.config.max_chunk_tokens,
+            cache_length=functools.partial(self.family.cache_length, self.model_config),
         )
+        length = self.config.max_session_length
+        full, kept = (stack.layout.bytes_per_token(self.dtype, len(blocks)) * length,
+                      stack.cache_bytes(1, length, self.start_block, self.end_block))
+        if kept < full:
+            logger.info("cache: sliding-window blocks keep a ring of recent positions; a session of %d tokens takes "
+                        "%.1f MiB, not %.1f MiB (the budget still reserves batch x max_length tokens of every block)",
+                        length, kept / 2**20, full / 2**20)
+        return stack
 
     def _cache_tokens(self) -> int:
         if self.config.cache_tokens is not None:
