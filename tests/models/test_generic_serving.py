@@ -43,6 +43,15 @@ def test_a_stack_allocates_rings_for_sliding_layers_and_counts_their_bytes() -> 
     assert stack_of("qwen3_moe").cache_bytes(1, 100, 0, 4) == per_position * 400  # no sliding layer
 
 
+def test_a_sessions_share_of_the_token_budget_is_what_its_blocks_keep() -> None:
+    """A budget token is one position in every hosted block (4 here): rings and shorter spans take less of it."""
+    stack = stack_of("gemma2")
+    assert stack_of("qwen3_moe").cache_tokens(3, 100, 0, 4) == 300  # batch x max_length: no ring, every block
+    assert stack.cache_tokens(3, 100, 0, 4) == -(-3 * (100 + 9 + 100 + 9) // 4)  # two rings of 9 positions
+    assert stack.cache_tokens(3, 100, 1, 4) == -(-3 * (100 + 9 + 100) // 4)
+    assert stack.cache_tokens(1, 8, 0, 4) == 8  # short sessions keep every position
+
+
 def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(r.shape[1] for r in rows)
     hidden, mask = torch.zeros(len(rows), width, rows[0].shape[2]), torch.zeros(len(rows), width, dtype=torch.bool)

@@ -85,6 +85,13 @@ class BlockStack:
         per_position = self.layout.bytes_per_token(self.dtype, 1)  # keys and values of one position in one block
         return batch_size * per_position * sum(self.cache_length(i, max_length) for i in range(start, end))
 
+    def cache_tokens(self, batch_size: int, max_length: int, start: int, end: int) -> int:
+        """What such a session takes from the server's token budget (a token = one position in every hosted block):
+        `cache_bytes` in those units, rounded up. batch_size x max_length for a session over every hosted block
+        without rings; less over fewer blocks, or where sliding-window layers keep only a ring."""
+        per_token = self.layout.bytes_per_token(self.dtype, len(self.blocks))
+        return -(-self.cache_bytes(batch_size, max_length, start, end) // per_token)
+
     def chunks(self, batch: int, length: int) -> ChunkRanges:
         """[offset, end) token ranges a (batch, length) step runs in: at most max_chunk_tokens (B x T) each, so
         attention memory stays bounded on long prefills."""

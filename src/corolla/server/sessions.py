@@ -1,7 +1,9 @@
 """Open inference sessions of one server: each one's cache reservation, its KV cache and what it holds.
 
-A session reserves `batch_size x max_length` cache tokens when it opens (waiting in the allocator's FIFO queue up
-to the client's alloc_timeout, capped by the server's), then gets a zeroed `SessionKV` over its blocks. Whatever
+A session reserves the cache tokens its blocks really take when it opens (`BlockStack.cache_tokens`: batch_size x
+max_length over every hosted block, less over fewer blocks or with sliding-window rings), waiting in the allocator's
+FIFO queue up to the client's alloc_timeout, capped by the server's; then it gets a zeroed `SessionKV` over its
+blocks. Whatever
 ends the session (a close message, an error, a disconnect, a timeout, the server shutting down), leaving
 `SessionTable.open` releases both.
 """
@@ -65,7 +67,7 @@ class SessionTable:
 
         Raises RequestError(SERVER_FULL) if the tokens cannot be reserved within the allocation timeout."""
         session_id = uuid.uuid4().hex
-        tokens = request.batch_size * request.max_length
+        tokens = self.stack.cache_tokens(request.batch_size, request.max_length, request.blocks.start, request.blocks.end)
         timeout = min(request.alloc_timeout, self.max_alloc_timeout)
         if not await self.allocator.reserve(session_id, tokens, timeout):
             budget = self.allocator.budget
