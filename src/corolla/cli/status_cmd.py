@@ -7,6 +7,7 @@ import asyncio
 import json
 
 from corolla.dht import create_swarm_node, fetch_block_servers, model_dht_prefix
+from corolla.membership import SwarmKey, load_swarm_key
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -17,6 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dht-prefix", default=None, help="DHT namespace to read (default: from --model)")
     p.add_argument("--num-blocks", type=int, default=None, help="blocks to scan (default: from the model's config, else 256)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--swarm-key", default=None, help="private swarm: the swarm key file (`corolla swarm-key PATH`)")
     p.set_defaults(func=run)
 
 
@@ -25,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("corolla status: give --model MODEL (or --dht-prefix PREFIX)")
     prefix = args.dht_prefix or model_dht_prefix(args.model)
     known_blocks = args.num_blocks or _model_blocks(args.model)
-    report = asyncio.run(_collect(args.initial_peers, prefix, known_blocks))
+    swarm_key = load_swarm_key(args.swarm_key) if args.swarm_key else None
+    report = asyncio.run(_collect(args.initial_peers, prefix, known_blocks, swarm_key))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -34,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"blocks with no online server: {report['uncovered_blocks']}")
     for s in report["servers"]:
         print(f"  {s['peer_id']}  blocks {s['start_block']}:{s['end_block']}  {s['state']:<8} "
-              f"{s['throughput']:.1f} tok/s  cache {s['cache_tokens_free']}/{s['cache_tokens_total']}  {s['torch_dtype']}  quant {s.get('quant', 'none')}  v{s['version']}")
+              f"{s['throughput']:.1f} tok/s  cache {s['cache_tokens_free']}/{s['cache_tokens_total']}  {s['torch_dtype']}  quant {s.get('quant', 'none')}  v{s['version']}"
+              f"{'  via relay' if s.get('relayed') else ''}")
     return 0
 
 
@@ -51,10 +55,11 @@ def _model_blocks(model: str | None) -> int | None:
         return None
 
 
-async def _collect(initial_peers: list[str], prefix: str, known_blocks: int | None) -> dict[str, object]:
+async def _collect(initial_peers: list[str], prefix: str, known_blocks: int | None,
+                   swarm_key: SwarmKey | None = None) -> dict[str, object]:
     """Read every block's records; without a known block count, scan 256 keys and stop at the last one found."""
     num_blocks = known_blocks or 256
-    node = await create_swarm_node(initial_peers, client_mode=True)
+    node = await create_swarm_node(initial_peers, client_mode=True, swarm_key=swarm_key)
     try:
         per_block = await fetch_block_servers(node.dht, prefix, range(num_blocks))
     finally:

@@ -96,6 +96,9 @@ class SequenceManager:
         await asyncio.gather(*(self._ping(peer) for peer in sorted(peers)))
 
     async def _ping(self, peer_id: str) -> None:
+        maddrs = self._announced_maddrs(peer_id)
+        if maddrs:  # dial where the server says it is (e.g. through its relay); no-op when already connected
+            await self.node.connect(peer_id, maddrs, timeout=self.config.connect_timeout)
         begin = time.perf_counter()
         try:
             await request_info(self.node.p2p, peer_id, timeout=self.config.ping_timeout)
@@ -108,6 +111,13 @@ class SequenceManager:
         previous = self.rtts.get(peer_id)
         self.rtts[peer_id] = sample if previous is None else (1 - RTT_SMOOTHING) * previous + RTT_SMOOTHING * sample
         self._measured_at[peer_id] = time.monotonic()
+
+    def _announced_maddrs(self, peer_id: str) -> tuple[str, ...]:
+        for servers in self.block_servers:
+            info = servers.get(peer_id)
+            if info is not None:
+                return info.maddrs
+        return ()
 
     # ------------------------------------------------------------------ bans
     def banned(self, unreachable_only: bool = False) -> set[str]:
@@ -183,7 +193,7 @@ class SequenceManager:
             return find_route(
                 self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
                 hop_cost=self.config.hop_cost, rtts=self.rtts, default_rtt=self.config.default_rtt,
-                adapter=adapter, allowed_quant=self.config.allowed_quant,
+                adapter=adapter, allowed_quant=self.config.allowed_quant, relay_cost=self.config.relay_cost,
             )
 
         return await self._route(start, end, plan, adapter)

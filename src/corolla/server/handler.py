@@ -73,12 +73,14 @@ class ConnectionHandler:
         worker: ComputeWorker,
         config: ServerConfig,
         describe: Callable[[], InfoReply],
+        authorize: Callable[[str], Awaitable[bool]] | None = None,
     ):
         self.stack = stack
         self.allocator = allocator
         self.worker = worker
         self.config = config
         self.describe = describe
+        self.authorize = authorize  # private swarms: whether a peer id may use this server (None: anybody)
         self.sessions: dict[str, asyncio.Task[None]] = {}
         self.shutting_down = False
         self.fault_armed = False  # set by SIGUSR1 when config.inject_fault is given (failure tests)
@@ -92,7 +94,7 @@ class ConnectionHandler:
 
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
         for verb, handler in self._handlers().items():
-            await p2p.add_binary_stream_handler(rpc_handler_name(verb), _stream_adapter(handler))
+            await p2p.add_binary_stream_handler(rpc_handler_name(verb), _stream_adapter(handler, self.authorize))
 
     async def unregister(self, p2p) -> None:
         """Stop accepting new streams (the server is moving to other blocks); open sessions are ended elsewhere."""
@@ -360,14 +362,19 @@ class ConnectionHandler:
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
 
 
-def _stream_adapter(handler: Handler):
-    """Wrap a handler so every failure becomes an ErrorReply on its own stream and nothing escapes."""
+def _stream_adapter(handler: Handler, authorize: Callable[[str], Awaitable[bool]] | None = None):
+    """Wrap a handler so every failure becomes an ErrorReply on its own stream and nothing escapes.
+
+    With `authorize`, a stream whose (authenticated) peer id it refuses is closed before anything is read from it."""
 
     async def on_stream(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id.to_base58()
         with closing(writer):
             reply: ErrorReply | None = None
             try:
+                if authorize is not None and not await authorize(peer):
+                    raise RequestError(ErrorCode.BAD_REQUEST, "refused: this is a private swarm and your peer did "
+                                                              "not prove it holds the swarm key (--swarm-key)")
                 await handler(reader, writer, peer)
             except RequestError as e:
                 logger.info("request refused peer=%s code=%s reason=%s", peer, e.code.value, e)

@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import time
+from typing import Awaitable, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -22,7 +23,8 @@ from corolla.checkpoint import load_config, load_tensors
 from corolla.dht import SwarmNode, create_swarm_node, fetch_block_servers, model_dht_prefix
 from corolla.models import get_family
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
+from corolla.membership import load_swarm_key
+from corolla.protocol.messages import MAX_MADDRS, InfoReply, ServerInfo, ServerState
 from corolla.server.adapters import attach_adapters, read_adapter_config
 from corolla.server.announcer import Announcer
 from corolla.server.backend import BlockStack, KVLayout
@@ -78,6 +80,7 @@ class Server:
         self.start_block = self.end_block = 0
         self.throughput = config.throughput or 0.0  # tokens/s per block; measured once the blocks load
         self.node: SwarmNode | None = None
+        self.maddrs: tuple[str, ...] = ()  # where clients dial this server, announced in its record
         self.stack: BlockStack | None = None
         self.allocator: CacheAllocator | None = None
         self.handler: ConnectionHandler | None = None
@@ -105,6 +108,8 @@ class Server:
             step_timeout=self.config.step_timeout,
             session_timeout=self.config.session_timeout,
             adapters=tuple(self.config.adapters),
+            maddrs=self.maddrs[:MAX_MADDRS],
+            relayed=self.node is not None and self.node.relayed,
         )
 
     def info_reply(self) -> InfoReply:
@@ -128,11 +133,12 @@ class Server:
         announcer: Announcer | None = None
         tasks: list[asyncio.Task[None]] = []
         try:
-            self.node = await create_swarm_node(self.config.initial_peers, host=self.config.host, port=self.config.port)
+            self.node = await self._join()
             if self.config.new_swarm:
-                logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(await self.node.maddrs()))
+                logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(self.maddrs))
             self.start_block, self.end_block = await self._choose_blocks()
             announcer = Announcer(self.node.dht, self.prefix, self.node.peer_id, self.server_info, self.config.announce_period, self.config.expiration)
+            self.node.start_watch(self.config.rejoin_period).on_rejoined.append(_async(announcer.refresh_soon))
             await self._serve_blocks(announcer, worker)
             tasks.append(asyncio.create_task(announcer.run()))
             if self.config.balance_period > 0 and not self.config.blocks:
@@ -142,6 +148,19 @@ class Server:
             await self._stop.wait()
         finally:
             await self._shutdown(announcer, tasks, worker)
+
+    async def _join(self) -> SwarmNode:
+        """Start this server's P2P node and DHT peer (identity, addresses, relays and swarm key as configured)."""
+        config = self.config
+        node = await create_swarm_node(
+            config.initial_peers, host=config.host, port=config.port, announce_maddrs=config.announce_maddrs,
+            identity_path=config.identity, use_relay=config.use_relay, relays=config.relays,
+            swarm_key=load_swarm_key(config.swarm_key) if config.swarm_key else None,
+        )
+        self.maddrs = tuple(await node.maddrs())
+        if node.relayed:
+            logger.info("behind relays: clients reach this server at %s", " ".join(self.maddrs))
+        return node
 
     def _arm_fault(self) -> None:
         assert self.handler is not None
@@ -159,14 +178,16 @@ class Server:
             compute = await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
             network = await self._measure_network()
             self.throughput = announced_throughput(compute, network, self.end_block - self.start_block)
-        self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply)
+        gate = self.node.gate
+        self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply,
+                                         authorize=gate.authorize if gate is not None else None)
         await self.handler.register(self.node.p2p)
         self.state = ServerState.ONLINE
         await announcer.announce()
         logger.info(
             "serving blocks %d:%d of %s as %s (dht prefix %s, cache %d tokens, %.1f tokens/s per block) at %s",
             self.start_block, self.end_block, self.config.model, self.node.peer_id, self.prefix,
-            self.allocator.budget.total, self.throughput, " ".join(await self.node.maddrs()),
+            self.allocator.budget.total, self.throughput, " ".join(self.maddrs),
         )
 
     async def _leave_blocks(self, announcer: Announcer) -> None:
@@ -379,6 +400,13 @@ class Server:
                 self.stack.blocks[0], self.stack.hidden_size, layout.n_kv_heads, layout.head_dim, self.dtype, self.device
             ),
         )
+
+
+def _async(callback: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+    async def run() -> None:
+        callback()
+
+    return run
 
 
 def _available_memory() -> int:
