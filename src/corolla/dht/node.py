@@ -71,16 +71,8 @@ class SwarmNode:
         return dialable(str(m) for m in await self.p2p.get_visible_maddrs(latest=True))
 
     async def connect(self, peer_id: str, maddrs: Sequence[str], timeout: float = CONNECT_TIMEOUT) -> bool:
-        """Dial `peer_id` at `maddrs` (e.g. through a relay) unless already connected; False when every dial fails.
-
-        Never raises for a bad address or an unreachable peer: the caller's next stream to the peer reports that."""
-        try:
-            addresses = [Multiaddr(to_daemon_bytes(m)) for m in maddrs]
-            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), addresses), timeout)
-            return True
-        except Exception as e:  # p2pd reports failed dials with assorted exception types
-            logger.debug("dial %s at %s failed: %s", peer_id, list(maddrs), e)
-            return False
+        """Dial `peer_id` at `maddrs` (e.g. through a relay) unless already connected; see `dial`."""
+        return await dial(self.p2p, peer_id, maddrs, timeout)
 
     def start_watch(self, period: float = 5.0, max_backoff: float = 30.0) -> SwarmWatch:
         """Keep this node joined through network outages (see dht.watch); stopped by shutdown()."""
@@ -105,6 +97,19 @@ class SwarmNode:
             logger.warning("the DHT node did not stop within %.0fs (p2pd already gone?)", DHT_SHUTDOWN_TIMEOUT)
         finally:
             await self.p2p.shutdown()
+
+
+async def dial(p2p: P2P, peer_id: str, maddrs: Sequence[str], timeout: float = CONNECT_TIMEOUT) -> bool:
+    """Have p2pd connect to `peer_id` at `maddrs` unless already connected; False when every dial fails.
+
+    Never raises for a bad address or an unreachable peer: the caller's next stream to the peer reports that."""
+    try:
+        addresses = [Multiaddr(to_daemon_bytes(m)) for m in maddrs]
+        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer_id), addresses), timeout)
+        return True
+    except Exception as e:  # p2pd reports failed dials with assorted exception types
+        logger.debug("dial %s at %s failed: %s", peer_id, list(maddrs), e)
+        return False
 
 
 async def create_swarm_node(
@@ -156,8 +161,16 @@ async def create_swarm_node(
             await serve_proofs(p2p, swarm_key)
             gate = MembershipGate(p2p, swarm_key)
         authorizer = SwarmKeyAuthorizer(swarm_key) if swarm_key is not None else None
-        dht = await DHTNode.create(p2p=p2p, initial_peers=peers or None, client_mode=client_mode, num_workers=4,
-                                   authorizer=authorizer)
+        try:
+            dht = await DHTNode.create(p2p=p2p, initial_peers=peers or None, client_mode=client_mode, num_workers=4,
+                                       authorizer=authorizer)
+        except RuntimeError as e:
+            if "bootstrap failed" not in str(e):
+                raise
+            raise RuntimeError(
+                f"DHT bootstrap failed: none of the initial peers answered ({' '.join(peers)}): they are unreachable "
+                f"from here, or the swarm is private and {'our swarm key differs' if swarm_key else 'we have no swarm key'}"
+            ) from e
     except BaseException:
         await p2p.shutdown()
         raise

@@ -46,6 +46,7 @@ class SwarmWatch:
         self.on_rejoined: list[Callable[[], Awaitable[None]]] = []
         self.rejoins = 0  # successful rejoins so far
         self._isolated_since: float | None = None
+        self._failed_attempts = 0
 
     def routing_peers(self) -> list[str]:
         """Peer ids in the DHT routing table now."""
@@ -95,8 +96,11 @@ class SwarmWatch:
         answers = await asyncio.gather(*(dht.protocol.call_ping(peer) for peer in targets), return_exceptions=True)
         answered = sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
         if not answered:
-            logger.info("rejoin attempt: none of %d peer(s) answered; retrying", len(targets))
+            self._failed_attempts += 1
+            log = logger.info if self._failed_attempts & (self._failed_attempts - 1) == 0 else logger.debug  # 1, 2, 4...
+            log("rejoin attempt %d: none of %d peer(s) answered; retrying", self._failed_attempts, len(targets))
             return False
+        self._failed_attempts = 0
         await dht.find_nearest_nodes([dht.node_id])
         outage = time.monotonic() - self._isolated_since if self._isolated_since is not None else 0.0
         self._isolated_since = None

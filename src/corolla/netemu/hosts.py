@@ -168,14 +168,14 @@ class EmulatedNetwork:
         return subprocess.run(self.command(name, argv), capture_output=True, text=True, timeout=timeout)
 
     def spawn(self, name: str, argv: Sequence[str], label: str | None = None, env: dict[str, str] | None = None,
-              log_file: IO[str] | None = None) -> HostProcess:
+              log_file: IO[str] | None = None, stdin: bool = False) -> HostProcess:
         """Start `argv` inside host `name` in its own process group; its output is collected line by line.
 
         The process is ended by `close()` (or earlier by `HostProcess.stop()`)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the emulated network is closed")
-            proc = HostProcess.start(label or name, self.command(name, argv), {**os.environ, **(env or {})}, log_file)
+            proc = HostProcess.start(label or name, self.command(name, argv), {**os.environ, **(env or {})}, log_file, stdin)
             self.processes.append(proc)
         return proc
 

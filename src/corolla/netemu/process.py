@@ -26,9 +26,12 @@ class HostProcess:
     _done: bool = field(default=False, init=False)  # the output pipe reached its end
 
     @classmethod
-    def start(cls, name: str, argv: Sequence[str], env: dict[str, str], log_file: IO[str] | None = None) -> HostProcess:
+    def start(cls, name: str, argv: Sequence[str], env: dict[str, str], log_file: IO[str] | None = None,
+              stdin: bool = False) -> HostProcess:
+        """Start `argv` in a new session (its own process group); with `stdin`, `send()` writes to its input."""
         popen = subprocess.Popen(
-            list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             env={**env, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
         )
         proc = cls(name, popen, log_file=log_file)
@@ -70,6 +73,13 @@ class HostProcess:
         with self._changed:
             return self._printed
 
+    def send(self, line: str) -> None:
+        """Write one line to the process's stdin (started with stdin=True)."""
+        if self.popen.stdin is None:
+            raise RuntimeError(f"{self.name} was started without stdin")
+        self.popen.stdin.write(line.rstrip("\n") + "\n")
+        self.popen.stdin.flush()
+
     def signal(self, sig: int) -> None:
         try:
             os.killpg(self.popen.pid, sig)
@@ -79,6 +89,11 @@ class HostProcess:
     def stop(self, grace: float = STOP_GRACE) -> int | None:
         """SIGTERM to the process (it shuts its own p2pd down), then SIGKILL to its whole group after `grace`
         seconds (stragglers such as p2pd go too). Returns the exit code."""
+        if self.popen.stdin is not None:
+            try:
+                self.popen.stdin.close()
+            except OSError:
+                pass
         if self.alive():
             self.popen.send_signal(signal.SIGTERM)
             try:

@@ -138,7 +138,11 @@ class Server:
                 logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(self.maddrs))
             self.start_block, self.end_block = await self._choose_blocks()
             announcer = Announcer(self.node.dht, self.prefix, self.node.peer_id, self.server_info, self.config.announce_period, self.config.expiration)
-            self.node.start_watch(self.config.rejoin_period).on_rejoined.append(_async(announcer.refresh_soon))
+            # a rejoin attempt (3 s of pings at most) at least once per announce period while cut off: the record is
+            # back in the DHT within one period of the network's return
+            max_backoff = max(self.config.rejoin_period, min(30.0, self.config.announce_period) - 3.0)
+            watch = self.node.start_watch(self.config.rejoin_period, max_backoff)
+            watch.on_rejoined.append(_async(announcer.refresh_soon))
             await self._serve_blocks(announcer, worker)
             tasks.append(asyncio.create_task(announcer.run()))
             if self.config.balance_period > 0 and not self.config.blocks:
