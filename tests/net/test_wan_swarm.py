@@ -11,13 +11,18 @@ import time
 from pathlib import Path
 
 from corolla.netemu import EmulatedNetwork
-from netswarm import Agent, corolla, needs_namespaces, start_dht, start_server, wait_serving
+from corolla.netemu.swarm import Agent, corolla, start_dht, start_server as _start_server, wait_serving
+from netswarm import SERVER_ARGS, needs_namespaces
 
 pytestmark = needs_namespaces
 
 # one-way delay of each host's link to the switch: round trips between hosts of 25 to 45 ms
 DELAYS = {"dht": 0.005, "a": 0.010, "b": 0.0125, "client": 0.0075}
 DHT_PORT = "31337"
+
+
+def start_server(net, host, model, peers, *args, **kwargs):
+    return _start_server(net, host, model, peers, *SERVER_ARGS, *args, **kwargs)
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.5):

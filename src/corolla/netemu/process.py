@@ -20,6 +20,8 @@ class HostProcess:
     name: str
     popen: subprocess.Popen[str]
     log: deque[str] = field(default_factory=lambda: deque(maxlen=2000))
+    stamps: deque[float] = field(default_factory=lambda: deque(maxlen=2000))  # time.monotonic() of each log line
+    started: float = field(default_factory=time.monotonic)  # when the process was spawned (time.monotonic())
     log_file: IO[str] | None = None
     _changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _printed: int = field(default=0, init=False)  # lines printed so far (the log keeps the last 2000)
@@ -51,16 +53,20 @@ class HostProcess:
     def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
         """The first match of regex `pattern` in output lines number `start` onwards (counting from the first line
         ever printed); RuntimeError when the process exits or `timeout` seconds pass first."""
+        return self.wait_for_line(pattern, timeout, start)[0]
+
+    def wait_for_line(self, pattern: str, timeout: float, start: int = 0) -> tuple[re.Match[str], float]:
+        """As wait_for, and when the matching line was printed (time.monotonic())."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
-                lines = list(self.log)
+                lines, stamps = list(self.log), list(self.stamps)
                 offset = self._printed - len(lines)
-                for i, line in enumerate(lines[max(0, start - offset):]):
-                    match = regex.search(line)
+                for i in range(max(0, start - offset), len(lines)):
+                    match = regex.search(lines[i])
                     if match:
-                        return match
+                        return match, stamps[i]
                 left = deadline - time.monotonic()
                 if left <= 0 or (not self.alive() and self._done):
                     state = "timed out" if left <= 0 else f"exited with {self.popen.returncode}"
@@ -113,6 +119,7 @@ class HostProcess:
             line = line.rstrip("\n")
             with self._changed:
                 self.log.append(line)
+                self.stamps.append(time.monotonic())
                 self._printed += 1
                 self._changed.notify_all()
             if self.log_file is not None:

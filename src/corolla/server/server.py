@@ -155,13 +155,14 @@ class Server:
 
     async def _join(self) -> SwarmNode:
         """Start this server's P2P node and DHT peer (identity, addresses, relays and swarm key as configured)."""
-        config = self.config
+        config, begin = self.config, time.perf_counter()
         node = await create_swarm_node(
             config.initial_peers, host=config.host, port=config.port, announce_maddrs=config.announce_maddrs,
             identity_path=config.identity, use_relay=config.use_relay, relays=config.relays,
             swarm_key=load_swarm_key(config.swarm_key) if config.swarm_key else None,
         )
         self.maddrs = tuple(await node.maddrs())
+        logger.info("joined the swarm as %s in %.2fs", node.peer_id, time.perf_counter() - begin)
         if node.relayed:
             logger.info("behind relays: clients reach this server at %s", " ".join(self.maddrs))
         return node

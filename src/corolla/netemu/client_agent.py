@@ -1,6 +1,6 @@
 """A corolla client in its own process (run inside an emulated host), driven by JSON lines on stdin.
 
-    python client_agent.py MODEL --initial-peers ADDR... [--swarm-key PATH] [--config JSON]
+    python -m corolla.netemu.client_agent MODEL --initial-peers ADDR... [--swarm-key PATH] [--config JSON]
 
 Prints {"ready": true, "peer_id": ...} once connected (or {"ready": false, "error": ...} and exits 1), then answers
 one JSON line per command:
