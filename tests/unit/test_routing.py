@@ -183,3 +183,29 @@ def test_sequence_manager_routes_with_the_configured_relay_cost():
     manager.last_update = float("inf")  # no DHT read
     route = asyncio.run(manager.make_route(0, 4))
     assert route == [Span("b-direct", 0, 4)]
+
+
+def test_a_ping_that_gets_an_answer_lifts_an_unreachable_ban_but_not_a_misbehaviour_ban(monkeypatch):
+    class Node:
+        p2p = None
+
+        async def connect(self, *args, **kwargs):
+            return True
+
+    async def answers(p2p, peer_id, timeout):
+        return None
+
+    monkeypatch.setattr("corolla.client.sequence_manager.request_info", answers)
+    manager = SequenceManager(Node(), "m", 4, ClientConfig(unreachable_ban=60.0))  # type: ignore[arg-type]
+    manager.ban("gone-then-back", unreachable=True)
+    manager.ban("misbehaving")
+    assert manager.banned() == {"gone-then-back", "misbehaving"}
+
+    async def ping_both():
+        await manager._ping("gone-then-back")
+        await manager._ping("misbehaving")
+        await manager.close()
+
+    asyncio.run(ping_both())
+    assert manager.banned() == {"misbehaving"}
+    assert set(manager.rtts) == {"gone-then-back", "misbehaving"}

@@ -7,7 +7,8 @@ Two kinds of failure are told apart:
   block unservable: when only banned peers hold a block, they are used anyway;
 - a peer that cannot even be dialed (by a session, or by the background pings) is *unreachable*: it is skipped
   outright for at least `unreachable_ban` seconds, so a dead server whose DHT record has not expired yet costs
-  one failed dial, and leads to `MissingBlocks` rather than a hang when nobody else holds its blocks.
+  one failed dial, and leads to `MissingBlocks` rather than a hang when nobody else holds its blocks. A later ping
+  that gets an answer (the server is back from a network outage) lifts such a ban at once.
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ class SequenceManager:
                 self.ban(peer_id, unreachable=True)
             return
         sample = time.perf_counter() - begin
+        ban = self._bans.get(peer_id)
+        if ban is not None and ban.unreachable and ban.until > time.monotonic():
+            # it answers again (e.g. back from a network outage): routes may use it at once
+            logger.info("peer %s is reachable again; lifting its ban", peer_id)
+            del self._bans[peer_id]
         previous = self.rtts.get(peer_id)
         self.rtts[peer_id] = sample if previous is None else (1 - RTT_SMOOTHING) * previous + RTT_SMOOTHING * sample
         self._measured_at[peer_id] = time.monotonic()

@@ -51,6 +51,10 @@ class Announcer:
         """Ask the loop to announce at once (e.g. after a big change in free cache, or after rejoining the swarm)."""
         self._wake.set()
 
+    async def announce_soon(self) -> None:
+        """refresh_soon() as a coroutine (a callback of SwarmWatch.on_rejoined)."""
+        self.refresh_soon()
+
     async def run(self) -> None:
         """Announce periodically until cancelled; a failed store is retried sooner (see the module docstring)."""
         while True:

@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import time
-from typing import Awaitable, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -76,6 +75,7 @@ class Server:
         for adapter in config.adapters:  # refuse an unsupported adapter before joining the swarm
             read_adapter_config(adapter, cache_dir=config.cache_dir)
         self.prefix = config.dht_prefix or model_dht_prefix(config.model)
+        self.swarm_key = load_swarm_key(config.swarm_key) if config.swarm_key else None  # a bad file fails here
         self.state = ServerState.JOINING
         self.start_block = self.end_block = 0
         self.throughput = config.throughput or 0.0  # tokens/s per block; measured once the blocks load
@@ -142,7 +142,7 @@ class Server:
             # back in the DHT within one period of the network's return
             max_backoff = max(self.config.rejoin_period, min(30.0, self.config.announce_period) - 3.0)
             watch = self.node.start_watch(self.config.rejoin_period, max_backoff)
-            watch.on_rejoined.append(_async(announcer.refresh_soon))
+            watch.on_rejoined.append(announcer.announce_soon)
             await self._serve_blocks(announcer, worker)
             tasks.append(asyncio.create_task(announcer.run()))
             if self.config.balance_period > 0 and not self.config.blocks:
@@ -159,7 +159,7 @@ class Server:
         node = await create_swarm_node(
             config.initial_peers, host=config.host, port=config.port, announce_maddrs=config.announce_maddrs,
             identity_path=config.identity, use_relay=config.use_relay, relays=config.relays,
-            swarm_key=load_swarm_key(config.swarm_key) if config.swarm_key else None,
+            swarm_key=self.swarm_key,
         )
         self.maddrs = tuple(await node.maddrs())
         logger.info("joined the swarm as %s in %.2fs", node.peer_id, time.perf_counter() - begin)
@@ -405,13 +405,6 @@ class Server:
                 self.stack.blocks[0], self.stack.hidden_size, layout.n_kv_heads, layout.head_dim, self.dtype, self.device
             ),
         )
-
-
-def _async(callback: Callable[[], None]) -> Callable[[], Awaitable[None]]:
-    async def run() -> None:
-        callback()
-
-    return run
 
 
 def _available_memory() -> int:
