@@ -11,7 +11,7 @@ Control: one JSON object per line on stdin, one JSON reply per line on stdout.
                                                               accept_inbound
     {"op": "set_pair_delay", "a": "a", "b": "b", "delay": 0.01}   one-way seconds; null removes the override
     {"op": "stats"}                                           packets forwarded and dropped per host
-End of stdin (the parent is gone) stops the switch.
+End of stdin (the parent is gone) stops the switch, and so does `max_seconds` (default a day) in the config.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class Switch:
             self.devices[host["name"]] = Device(host["name"], host["address"], open_tun(host["device"]))
         self.by_address = {d.address: d for d in self.devices.values()}
         self.by_fd = {d.fd: d for d in self.devices.values()}
+        self.deadline = time.monotonic() + float(config.get("max_seconds", 86400.0))
         self.heap: list[tuple[float, int, int, bytes]] = []  # (release time, tiebreak, destination fd, packet)
         self.counter = itertools.count()
 
@@ -75,8 +76,9 @@ class Switch:
         control = sys.stdin.fileno()
         print(json.dumps({"ready": {h: d.address for h, d in self.devices.items()}}), flush=True)
         buffered = b""
-        while True:
-            timeout = max(0.0, self.heap[0][0] - time.monotonic()) if self.heap else None
+        while time.monotonic() < self.deadline:
+            timeout = min(self.heap[0][0] if self.heap else self.deadline, self.deadline) - time.monotonic()
+            timeout = max(0.0, timeout)
             readable, _, _ = select.select([control, *self.by_fd], [], [], timeout)
             for fd in readable:
                 if fd == control:
@@ -87,7 +89,7 @@ class Switch:
                     while b"\n" in buffered:
                         line, buffered = buffered.split(b"\n", 1)
                         if line.strip():
-                            print(json.dumps(self.command(json.loads(line))), flush=True)
+                            print(json.dumps(self.control_line(line)), flush=True)
                 else:
                     self.receive(self.by_fd[fd])
             self.release(time.monotonic())
@@ -119,6 +121,13 @@ class Switch:
                 device.forwarded += 1
             except OSError:  # device down or its queue full: the packet is lost, as on a real link
                 device.dropped += 1
+
+    def control_line(self, line: bytes) -> dict:
+        try:
+            message = json.loads(line)
+        except ValueError as e:
+            return {"ok": False, "error": f"not JSON: {e}"}
+        return self.command(message) if isinstance(message, dict) else {"ok": False, "error": "not an object"}
 
     def command(self, message: dict) -> dict:
         try:
