@@ -7,9 +7,11 @@ would stay alone even once the network is back: Petals servers vanished from the
 `SwarmWatch.run` checks every `period` seconds:
 - the initial peers: one that is missing from the routing table is pinged again (a bootstrap peer that restarted
   learns about us this way, and new peers can join through it again);
-- the routing table: when it is empty, the node rejoins: forget the bans, dial the initial peers at their
-  addresses, ping them and every peer seen before, and look up its own neighbourhood. Failed attempts are retried
-  with exponential backoff from `period` up to `max_backoff` seconds; every attempt and its outcome is logged.
+- the routing table: when it is empty and the node has initial peers, it rejoins: forget the bans, dial the
+  initial peers at their addresses, ping them and every peer seen before, and look up its own neighbourhood.
+  Failed attempts are retried with exponential backoff from `period` up to `max_backoff` seconds; every attempt
+  and its outcome is logged. (A node without initial peers started the swarm: it waits for the others, who ping
+  their initial peers.)
 `on_rejoined` callbacks run after a successful rejoin (a server re-announces its blocks at once).
 """
 
@@ -79,8 +81,8 @@ class SwarmWatch:
         if peers:
             await self._ping_missing_initial_peers(set(peers))
             return True
-        if not self.node.initial_peers and not self.seen:
-            return True  # the first peer of a swarm, alone: nobody to rejoin
+        if not self.node.initial_peers:
+            return True  # a first peer of a swarm: the others come back to it (they ping their initial peers)
         if self._isolated_since is None:
             self._isolated_since = now
             logger.warning("lost contact with the swarm (no DHT peer answers); rejoining through %d initial and %d "
