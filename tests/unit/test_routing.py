@@ -162,3 +162,50 @@ def test_a_server_that_moved_makes_the_next_update_reread_the_swarm():
     assert not manager._stale
     manager.after_failure(RemoteError("not_served", "blocks 0:4 are not served here"), 0, Span("a", 0, 4))
     assert manager._stale
+
+
+def test_a_server_behind_a_relay_is_charged_the_relay_cost():
+    relayed = make_info(0, 4).model_copy(update={"relayed": True})
+    blocks = swarm(4, {"near-relayed": relayed, "far-direct": make_info(0, 4)})
+    rtts = {"near-relayed": 0.030, "far-direct": 0.040}
+    assert find_route(blocks, 0, 4, rtts=rtts) == [Span("near-relayed", 0, 4)]
+    assert find_route(blocks, 0, 4, rtts=rtts, relay_cost=0.02) == [Span("far-direct", 0, 4)]
+    assert find_route(blocks, 0, 4, rtts=rtts, relay_cost=0.005) == [Span("near-relayed", 0, 4)]
+    only_relayed = swarm(4, {"near-relayed": relayed})
+    assert find_route(only_relayed, 0, 4, rtts=rtts, relay_cost=10.0) == [Span("near-relayed", 0, 4)]
+
+
+def test_sequence_manager_routes_with_the_configured_relay_cost():
+    manager = SequenceManager(None, "m", 4, ClientConfig(relay_cost=0.02, default_rtt=0.0))  # type: ignore[arg-type]
+    manager.block_servers = swarm(4, {"a-relayed": make_info(0, 4).model_copy(update={"relayed": True}),
+                                      "b-direct": make_info(0, 4)})
+    manager.rtts = {"a-relayed": 0.030, "b-direct": 0.040}
+    manager.last_update = float("inf")  # no DHT read
+    route = asyncio.run(manager.make_route(0, 4))
+    assert route == [Span("b-direct", 0, 4)]
+
+
+def test_a_ping_that_gets_an_answer_lifts_an_unreachable_ban_but_not_a_misbehaviour_ban(monkeypatch):
+    class Node:
+        p2p = None
+
+        async def connect(self, *args, **kwargs):
+            return True
+
+    async def answers(p2p, peer_id, timeout):
+        return None
+
+    monkeypatch.setattr("corolla.client.sequence_manager.request_info", answers)
+    manager = SequenceManager(Node(), "m", 4, ClientConfig(unreachable_ban=60.0))  # type: ignore[arg-type]
+    manager.ban("gone-then-back", unreachable=True)
+    manager.ban("misbehaving")
+    assert manager.banned() == {"gone-then-back", "misbehaving"}
+
+    async def ping_both():
+        await manager._ping("gone-then-back")
+        await manager._ping("misbehaving")
+        await manager.close()
+
+    asyncio.run(ping_both())
+    assert manager.banned() == {"misbehaving"}
+    assert set(manager.rtts) == {"gone-then-back", "misbehaving"}

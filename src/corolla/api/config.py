@@ -16,6 +16,9 @@ class ApiConfig:
     initial_peers: tuple[str, ...] = field(
         default=(), metadata=_opt("multiaddrs of DHT peers of the swarm (/ip4/HOST/tcp/PORT/p2p/PEERID); required", nargs="+")
     )
+    swarm_key: str | None = field(
+        default=None, metadata=_opt("private swarm: the swarm key file (`corolla swarm-key PATH`)")
+    )
     host: str = field(default="127.0.0.1", metadata=_opt("address the HTTP server listens on"))
     port: int = field(default=8000, metadata=_opt("TCP port of the HTTP server; 0 = chosen by the OS (the log shows it)"))
     model_name: str | None = field(default=None, metadata=_opt("the model id clients ask for (default: the MODEL argument)"))

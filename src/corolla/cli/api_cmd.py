@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     sock = _bind(config.host, config.port)  # first, so a taken port fails before the model loads
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     client_config = ClientConfig(initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
+                                 swarm_key=config.swarm_key,
                                  request_timeout=config.request_timeout, alloc_timeout=config.alloc_timeout)
     model = AutoDistributedModelForCausalLM.from_pretrained(config.model, client_config=client_config,
                                                             torch_dtype=getattr(torch, config.dtype))

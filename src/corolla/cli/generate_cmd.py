@@ -12,6 +12,7 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="HF repo id or local directory of the checkpoint (only its head is loaded)")
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers of the swarm")
     p.add_argument("--dht-prefix", default=None, help="DHT namespace of the model (default: its name)")
+    p.add_argument("--swarm-key", default=None, help="private swarm: the swarm key file (`corolla swarm-key PATH`)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's, else 1.0)")
@@ -46,7 +47,8 @@ def load_client(args: argparse.Namespace):
     if args.seed is not None:
         torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix)
+    model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix,
+                                                     swarm_key=args.swarm_key)
     return tokenizer, model
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from corolla.cli import api_cmd, chat_cmd, demo_cmd, dht_cmd, generate_cmd, models_cmd, monitor_cmd, serve_cmd, status_cmd
+from corolla.cli import (
+    api_cmd, chat_cmd, demo_cmd, dht_cmd, generate_cmd, models_cmd, monitor_cmd, serve_cmd, status_cmd, swarm_key_cmd,
+)
 from corolla.cli.common import setup_logging
 
 
@@ -13,7 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="corolla", description="Run large language models across a swarm of machines.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logging")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (demo_cmd, dht_cmd, serve_cmd, generate_cmd, chat_cmd, status_cmd, api_cmd, monitor_cmd, models_cmd):
+    commands = (demo_cmd, dht_cmd, serve_cmd, generate_cmd, chat_cmd, status_cmd, api_cmd, monitor_cmd, models_cmd, swarm_key_cmd)
+    for module in commands:
         module.add_parser(subparsers)
     return parser
 

@@ -36,12 +36,13 @@ async def serve_monitor(config: MonitorConfig, stop: asyncio.Event) -> int:
     """Join the swarm, read it once, serve the page until `stop` is set; logs `http://HOST:PORT` once serving."""
     import uvicorn  # heavy imports only for this command
 
+    from corolla.membership import load_swarm_key
     from corolla.monitor.app import create_monitor_app
     from corolla.monitor.source import SwarmMonitor, join_swarm
 
     listener = _bind(config.host, config.port)  # bound before anything else: a taken port fails at once
     try:
-        node = await join_swarm(config.initial_peers)
+        node = await join_swarm(config.initial_peers, load_swarm_key(config.swarm_key) if config.swarm_key else None)
     except BaseException:
         listener.close()
         raise

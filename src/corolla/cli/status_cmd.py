@@ -12,6 +12,7 @@ import asyncio
 import json
 
 from corolla.dht import model_dht_prefix
+from corolla.membership import load_swarm_key
 from corolla.monitor.collect import collect_state
 from corolla.monitor.schema import ModelView, SwarmState
 from corolla.monitor.source import join_swarm
@@ -33,13 +34,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="print JSON: with --model/--dht-prefix that model's view, else the whole swarm's "
                         "(the shape of the monitor's /api/v1/state)")
+    p.add_argument("--swarm-key", default=None, help="private swarm: the swarm key file (`corolla swarm-key PATH`)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     prefix = args.dht_prefix or (model_dht_prefix(args.model) if args.model else None)
     models = None if prefix is None else {prefix: args.num_blocks or _model_blocks(args.model)}
-    state = asyncio.run(_collect(args.initial_peers, models))
+    state = asyncio.run(_collect(args.initial_peers, models, args.swarm_key))
     if prefix is not None:
         view = state.models[0]
         if args.json:
@@ -81,8 +83,8 @@ def _model_blocks(model: str | None) -> int | None:
         return None
 
 
-async def _collect(initial_peers: list[str], models: dict[str, int | None] | None) -> SwarmState:
-    node = await join_swarm(initial_peers)
+async def _collect(initial_peers: list[str], models: dict[str, int | None] | None, swarm_key_path: str | None = None) -> SwarmState:
+    node = await join_swarm(initial_peers, load_swarm_key(swarm_key_path) if swarm_key_path else None)
     try:
         return await collect_state(node, models=models, ping_timeout=PING_TIMEOUT)
     finally:

@@ -23,6 +23,10 @@ class ClientConfig:
     hop_cost: float = 0.002  # routing: seconds of overhead charged per server hop
     default_rtt: float = 0.05  # routing: assumed round trip to a server not measured yet, seconds
     ping_timeout: float = 2.0  # seconds a round-trip measurement may take
+    relay_cost: float = 0.02  # routing: extra seconds charged per step for a server reachable only through a relay
+    use_relay: bool = True  # dial servers behind NATs through the relays they announce
+    swarm_key: str | None = None  # private swarm: path of the swarm key file (`corolla swarm-key PATH`)
+    rejoin_period: float = 5.0  # seconds between checks of contact with the swarm (rejoining after an outage)
     active_adapter: str | None = None  # LoRA adapter (as servers announce it) for every request; None: base model
 
     max_chunk_bytes: int = 4 << 20  # training: largest hidden-state tensor per forward/backward message, bytes

@@ -24,6 +24,7 @@ from corolla.client.ptune import PromptTuning, make_prompt_tuning
 from corolla.client.remote_sequential import RemoteSequential
 from corolla.client.sequence_manager import SequenceManager
 from corolla.dht import SwarmNode, create_swarm_node, model_dht_prefix
+from corolla.membership import load_swarm_key
 from corolla.models import get_family
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,7 @@ class AutoDistributedModelForCausalLM:
         active_adapter: str | None = None,
         tuning_mode: str | None = None,
         pre_seq_len: int = 0,
+        swarm_key: str | None = None,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of a local directory or hub repo and connect to the swarm.
 
@@ -209,7 +211,8 @@ class AutoDistributedModelForCausalLM:
         path given to `corolla serve --adapters`); only servers holding it are used.
         `tuning_mode` "ptune" / "deep_ptune" with `pre_seq_len` P adds trainable prompts (see client.ptune); they
         are the model's only parameters with requires_grad. `dtype` (transformers 5's name) or `torch_dtype`: the
-        client-side weights' dtype (None or "auto": float32); ValueError if both are given and differ.
+        client-side weights' dtype (None or "auto": float32); ValueError if both are given and differ. `swarm_key`
+        (or client_config.swarm_key) is the key file of a private swarm.
         """
         config = client_config or ClientConfig()
         if initial_peers is not None:
@@ -220,6 +223,8 @@ class AutoDistributedModelForCausalLM:
             config = replace(config, dht_prefix=dht_prefix)
         if active_adapter is not None:
             config = replace(config, active_adapter=active_adapter)
+        if swarm_key is not None:
+            config = replace(config, swarm_key=swarm_key)
         if not config.initial_peers:
             raise ValueError("initial_peers is required: the multiaddr of a DHT peer of the swarm (see `corolla dht`)")
         if torch_dtype is not None and dtype is not None and _resolve_dtype(torch_dtype) != _resolve_dtype(dtype):
@@ -242,7 +247,7 @@ class AutoDistributedModelForCausalLM:
         head = head.to(model_dtype).eval().requires_grad_(False)
         generation_config = _load_generation_config(model_name_or_path, hf_config, cache_dir, revision, token)
 
-        node = run_sync(create_swarm_node(config.initial_peers, client_mode=True))
+        node = run_sync(_join_swarm(config))
         _live_nodes.add(node)
         _register_atexit()
         prefix = config.dht_prefix or model_dht_prefix(model_name_or_path)
@@ -251,6 +256,14 @@ class AutoDistributedModelForCausalLM:
         model = DistributedModelForCausalLM(hf_config, head, RemoteSequential(manager), node, generation_config, model_name_or_path, ptune)
         logger.info("connected to the swarm for %s (dht prefix %s, %d blocks)", model_name_or_path, prefix, manager.num_blocks)
         return model
+
+
+async def _join_swarm(config: ClientConfig) -> SwarmNode:
+    """The client's DHT node (client mode), kept joined through network outages."""
+    node = await create_swarm_node(config.initial_peers, client_mode=True, use_relay=config.use_relay,
+                                   swarm_key=load_swarm_key(config.swarm_key) if config.swarm_key else None)
+    node.start_watch(config.rejoin_period)
+    return node
 
 
 def _resolve_dtype(value: torch.dtype | str | None) -> torch.dtype:

@@ -5,7 +5,9 @@ A route for blocks [start, end) is a list of spans (peer, a, b) that tile the ra
 Inference routes minimise latency with Dijkstra over block boundaries: an edge a -> b exists for each server
 hosting [a, b). The client relays every step between spans (client -> A -> client -> B -> client), so an edge
 costs the client's measured round trip to that server, a fixed per-hop overhead, the compute time of b - a
-blocks at the server's announced throughput, and a penalty when its free cache cannot hold the session.
+blocks at the server's announced throughput, and a penalty when its free cache cannot hold the session. A server
+reachable only through a relay costs `relay_cost` more: its measured round trip already includes the detour, but
+the relay is one more machine that can fail or slow down, shared with everybody it relays for.
 
 Forward/backward passes carry no state, so `sample_route` spreads them over servers in proportion to throughput.
 """
@@ -66,12 +68,14 @@ def find_route(
     default_rtt: float = 0.0,
     adapter: str | None = None,
     allowed_quant: Collection[str] | None = None,
+    relay_cost: float = 0.0,
 ) -> list[Span] | None:
     """Cheapest chain of spans covering [start, end), or None when some block has no usable server.
 
     block_servers[i] maps peer id -> record for block i (as read from the DHT). Only ONLINE servers that are not
     banned (and, given `allowed_quant`, whose announced quantization is in it) are used. `rtts` maps peer id -> the client's measured round trip in seconds (`default_rtt` for a peer
-    not measured yet). Ties are broken towards fewer hops, then by peer id, so equal inputs give equal routes.
+    not measured yet), `relay_cost` the extra seconds charged for a server that announces it is reachable only
+    through a relay. Ties are broken towards fewer hops, then by peer id, so equal inputs give equal routes.
     With an `adapter`, only servers announcing that LoRA adapter are used.
     """
     rtts = rtts or {}
@@ -84,6 +88,7 @@ def find_route(
             per_block = 1.0 / max(info.throughput, 1e-9)
             fixed = hop_cost + rtts.get(peer, default_rtt)
             fixed += FULL_CACHE_PENALTY if info.cache_tokens_free < cache_tokens_needed else 0.0
+            fixed += relay_cost if info.relayed else 0.0
             for b in range(block + 1, stop + 1):
                 edges.setdefault(block, []).append((fixed + per_block * (b - block), peer, b))
 

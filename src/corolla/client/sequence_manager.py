@@ -7,7 +7,8 @@ Two kinds of failure are told apart:
   block unservable: when only banned peers hold a block, they are used anyway;
 - a peer that cannot even be dialed (by a session, or by the background pings) is *unreachable*: it is skipped
   outright for at least `unreachable_ban` seconds, so a dead server whose DHT record has not expired yet costs
-  one failed dial, and leads to `MissingBlocks` rather than a hang when nobody else holds its blocks.
+  one failed dial, and leads to `MissingBlocks` rather than a hang when nobody else holds its blocks. A later ping
+  that gets an answer (the server is back from a network outage) lifts such a ban at once.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ class SequenceManager:
         await asyncio.gather(*(self._ping(peer) for peer in sorted(peers)))
 
     async def _ping(self, peer_id: str) -> None:
+        maddrs = self._announced_maddrs(peer_id)
+        if maddrs:  # dial where the server says it is (e.g. through its relay); no-op when already connected
+            await self.node.connect(peer_id, maddrs, timeout=self.config.connect_timeout)
         begin = time.perf_counter()
         try:
             await request_info(self.node.p2p, peer_id, timeout=self.config.ping_timeout)
@@ -105,9 +109,21 @@ class SequenceManager:
                 self.ban(peer_id, unreachable=True)
             return
         sample = time.perf_counter() - begin
+        ban = self._bans.get(peer_id)
+        if ban is not None and ban.unreachable and ban.until > time.monotonic():
+            # it answers again (e.g. back from a network outage): routes may use it at once
+            logger.info("peer %s is reachable again; lifting its ban", peer_id)
+            del self._bans[peer_id]
         previous = self.rtts.get(peer_id)
         self.rtts[peer_id] = sample if previous is None else (1 - RTT_SMOOTHING) * previous + RTT_SMOOTHING * sample
         self._measured_at[peer_id] = time.monotonic()
+
+    def _announced_maddrs(self, peer_id: str) -> tuple[str, ...]:
+        for servers in self.block_servers:
+            info = servers.get(peer_id)
+            if info is not None:
+                return info.maddrs
+        return ()
 
     # ------------------------------------------------------------------ bans
     def banned(self, unreachable_only: bool = False) -> set[str]:
@@ -183,7 +199,7 @@ class SequenceManager:
             return find_route(
                 self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
                 hop_cost=self.config.hop_cost, rtts=self.rtts, default_rtt=self.config.default_rtt,
-                adapter=adapter, allowed_quant=self.config.allowed_quant,
+                adapter=adapter, allowed_quant=self.config.allowed_quant, relay_cost=self.config.relay_cost,
             )
 
         return await self._route(start, end, plan, adapter)

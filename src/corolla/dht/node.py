@@ -2,49 +2,114 @@
 
 hivemind's `DHT` class forks a process per node; we run `DHTNode` in our own loop instead, so a server or client
 is one Python process (plus the p2pd daemon hivemind spawns, which shares our process group).
+
+How a node meets the network (all off the defaults' path to the internet: no IPFS bootstrap, no UPnP):
+- `identity_path`: the node's private key file (created, mode 0600, when missing), so its peer id and multiaddr
+  survive restarts;
+- `host`/`port` are where it listens; `announce_maddrs` where others should dial it when that differs (a public
+  address with a forwarded port). Listening on 0.0.0.0 announces the interfaces' addresses, never 0.0.0.0;
+- `use_relay`: dial peers through libp2p circuit relays when they announce relayed addresses;
+  `relay_service`: be such a relay for others (this node must be publicly reachable);
+  `relays`: this node accepts no inbound connections (behind a NAT): reserve a relayed address at these public
+  peers and announce it (see the README, "Across real networks", for what the bundled p2pd needs for that);
+- `swarm_key`: a private swarm: every DHT RPC is MAC'ed with the key, and the node answers membership challenges
+  (see corolla.membership); `node.gate.authorize(peer_id)` tells whether a peer holds the key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from corolla.dht.identity import load_or_create_identity
+from corolla.dht.maddrs import circuit_maddrs, dialable, peer_id_of, to_daemon_bytes
+from corolla.dht.watch import SwarmWatch
+from corolla.membership import MembershipGate, SwarmKey, SwarmKeyAuthorizer, serve_proofs
 
 logger = logging.getLogger(__name__)
 
 DHT_SHUTDOWN_TIMEOUT = 5.0  # seconds
+CONNECT_TIMEOUT = 10.0  # seconds one explicit dial may take
 
 
 @dataclass(eq=False)
 class SwarmNode:
     p2p: P2P
     dht: DHTNode
+    initial_peers: tuple[str, ...] = ()
+    relays: tuple[str, ...] = ()  # relays this node reserved a slot at (it is reachable only through them)
+    gate: MembershipGate | None = None  # set in a private swarm
+    watch: SwarmWatch | None = None
+    _watch_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def peer_id(self) -> str:
         """This node's peer id in base58 (the DHT subkey under which a server announces itself)."""
         return self.p2p.peer_id.to_base58()
 
+    @property
+    def initial_peer_ids(self) -> dict[str, str]:
+        """Initial peer multiaddr -> its peer id."""
+        return {m: p for m in self.initial_peers if (p := peer_id_of(m)) is not None}
+
+    @property
+    def relayed(self) -> bool:
+        """True when other peers can reach this node only through relays."""
+        return bool(self.relays)
+
     async def maddrs(self) -> list[str]:
-        """Full multiaddrs other peers can dial, each ending in /p2p/<peer id>."""
-        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+        """Full multiaddrs other peers can dial, each ending in /p2p/<peer id>, best first: relayed addresses for a
+        node behind relays, else the announced or interface addresses (loopback only when there is nothing else)."""
+        if self.relays:
+            return circuit_maddrs(self.relays, self.peer_id)
+        return dialable(str(m) for m in await self.p2p.get_visible_maddrs(latest=True))
+
+    async def connect(self, peer_id: str, maddrs: Sequence[str], timeout: float = CONNECT_TIMEOUT) -> bool:
+        """Dial `peer_id` at `maddrs` (e.g. through a relay) unless already connected; see `dial`."""
+        return await dial(self.p2p, peer_id, maddrs, timeout)
+
+    def start_watch(self, period: float = 5.0, max_backoff: float = 30.0) -> SwarmWatch:
+        """Keep this node joined through network outages (see dht.watch); stopped by shutdown()."""
+        if self.watch is None:
+            self.watch = SwarmWatch(self, period, max_backoff)
+            self._watch_task = asyncio.create_task(self.watch.run())
+        return self.watch
 
     async def shutdown(self) -> None:
-        """Stop the DHT node and the p2pd daemon; safe to call twice.
+        """Stop the watch, the DHT node and the p2pd daemon; safe to call twice.
 
         The DHT node's shutdown never returns once p2pd is gone (e.g. a SIGTERM sent to the whole process group
         reached it first), so it gets a few seconds, and p2pd is shut down in any case.
         """
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+            self._watch_task = None
         try:
             await asyncio.wait_for(self.dht.shutdown(), DHT_SHUTDOWN_TIMEOUT)
         except asyncio.TimeoutError:
             logger.warning("the DHT node did not stop within %.0fs (p2pd already gone?)", DHT_SHUTDOWN_TIMEOUT)
         finally:
             await self.p2p.shutdown()
+
+
+async def dial(p2p: P2P, peer_id: str, maddrs: Sequence[str], timeout: float = CONNECT_TIMEOUT) -> bool:
+    """Have p2pd connect to `peer_id` at `maddrs` unless already connected; False when every dial fails.
+
+    Never raises for a bad address or an unreachable peer: the caller's next stream to the peer reports that."""
+    try:
+        addresses = [Multiaddr(to_daemon_bytes(m)) for m in maddrs]
+        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer_id), addresses), timeout)
+        return True
+    except Exception as e:  # p2pd reports failed dials with assorted exception types
+        logger.debug("dial %s at %s failed: %s", peer_id, list(maddrs), e)
+        return False
 
 
 async def create_swarm_node(
@@ -54,31 +119,71 @@ async def create_swarm_node(
     port: int = 0,
     client_mode: bool = False,
     announce_maddrs: Sequence[str] | None = None,
+    identity_path: str | None = None,
+    use_relay: bool = True,
+    relay_service: bool = False,
+    relays: Sequence[str] = (),
+    swarm_key: SwarmKey | None = None,
 ) -> SwarmNode:
     """Start p2pd listening on host:port (0 = OS-assigned) and a DHT node joined to `initial_peers`.
 
-    Raises ValueError for an unparsable multiaddr, and hivemind's error when no initial peer answers.
-    NAT traversal, relays and IPFS bootstrap stay off: a swarm is reached only through the addresses it is given.
+    Raises ValueError for an unparsable multiaddr or conflicting options, and hivemind's error when no initial peer
+    answers (in a private swarm: also when none accepts our key). See the module docstring for the options.
     """
-    peers = [str(p).strip() for p in initial_peers if str(p).strip()]
-    for peer in peers:
-        if "/p2p/" not in peer:
-            raise ValueError(f"initial peer {peer!r} is not a full multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEERID)")
+    peers = _full_maddrs(initial_peers, "initial peer")
+    relays = _full_maddrs(relays, "relay")
+    if relay_service and relays:
+        raise ValueError("a node cannot both be a relay (publicly reachable) and need relays (behind a NAT)")
+    announce = [str(m).strip() for m in announce_maddrs or () if str(m).strip()]
+    for maddr in announce:
+        to_daemon_bytes(maddr)  # ValueError for a malformed one, before p2pd sees it
+        if peer_id_of(maddr) is not None:
+            raise ValueError(f"--announce-maddrs {maddr!r}: give the address without /p2p/<peer id>")
+    if identity_path is not None:
+        logger.info("identity %s: peer id %s", identity_path, load_or_create_identity(identity_path))
     proto = "ip6" if ":" in host else "ip4"
     p2p = await P2P.create(
         initial_peers=peers or None,
         host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
-        announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
+        announce_maddrs=announce or None,
+        identity_path=identity_path,
         nat_port_map=False,
         auto_nat=False,
-        use_relay=False,
+        use_relay=use_relay or relay_service or bool(relays),
+        use_auto_relay=bool(relays),
+        trusted_relays=relays or None,
+        force_reachability="public" if relay_service else "private" if relays else None,
         use_ipfs=False,
     )
     try:
-        dht = await DHTNode.create(p2p=p2p, initial_peers=peers or None, client_mode=client_mode, num_workers=4)
+        gate = None
+        if swarm_key is not None:
+            await serve_proofs(p2p, swarm_key)
+            gate = MembershipGate(p2p, swarm_key)
+        authorizer = SwarmKeyAuthorizer(swarm_key) if swarm_key is not None else None
+        try:
+            dht = await DHTNode.create(p2p=p2p, initial_peers=peers or None, client_mode=client_mode, num_workers=4,
+                                       authorizer=authorizer)
+        except RuntimeError as e:
+            if "bootstrap failed" not in str(e):
+                raise
+            raise RuntimeError(
+                f"DHT bootstrap failed: none of the initial peers answered ({' '.join(peers)}): they are unreachable "
+                f"from here, or the swarm is private and {'our swarm key differs' if swarm_key else 'we have no swarm key'}"
+            ) from e
     except BaseException:
         await p2p.shutdown()
         raise
-    node = SwarmNode(p2p=p2p, dht=dht)
-    logger.debug("dht node started peer_id=%s client_mode=%s", node.peer_id, client_mode)
+    node = SwarmNode(p2p=p2p, dht=dht, initial_peers=tuple(peers), relays=tuple(relays), gate=gate)
+    logger.debug("dht node started peer_id=%s client_mode=%s private=%s relays=%d", node.peer_id, client_mode,
+                 gate is not None, len(relays))
     return node
+
+
+def _full_maddrs(maddrs: Sequence[str], what: str) -> list[str]:
+    out = [str(p).strip() for p in maddrs if str(p).strip()]
+    for maddr in out:
+        if peer_id_of(maddr) is None:
+            raise ValueError(f"{what} {maddr!r} is not a full multiaddr (expected /ip4/HOST/tcp/PORT/p2p/PEERID)")
+        to_daemon_bytes(maddr)
+    return out

@@ -14,6 +14,9 @@ class MonitorConfig:
     initial_peers: tuple[str, ...] = field(
         default=(), metadata=_opt("multiaddrs of DHT peers of the swarm (/ip4/HOST/tcp/PORT/p2p/PEERID)", nargs="+")
     )
+    swarm_key: str | None = field(
+        default=None, metadata=_opt("private swarm: the swarm key file (`corolla swarm-key PATH`)")
+    )
     host: str = field(default="127.0.0.1", metadata=_opt("address the web page listens on"))
     port: int = field(default=8080, metadata=_opt("TCP port of the web page; 0 = chosen by the OS"))
     refresh_period: float = field(

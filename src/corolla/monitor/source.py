@@ -15,6 +15,7 @@ from typing import Sequence
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from corolla.dht import SwarmNode, create_swarm_node
+from corolla.membership import SwarmKey
 from corolla.monitor.collect import collect_state
 from corolla.monitor.config import MonitorConfig
 from corolla.monitor.history import History
@@ -79,9 +80,10 @@ class SwarmMonitor:
         return latest.model_copy(update={"history": self.history.samples() if with_history else []})
 
 
-async def join_swarm(initial_peers: Sequence[str]) -> SwarmNode:
-    """A client-mode DHT node joined through `initial_peers`; ValueError naming them when none answers."""
+async def join_swarm(initial_peers: Sequence[str], swarm_key: SwarmKey | None = None) -> SwarmNode:
+    """A client-mode DHT node joined through `initial_peers` (with `swarm_key`, a member of that private swarm);
+    ValueError naming them when none answers."""
     try:
-        return await create_swarm_node(initial_peers, client_mode=True)
+        return await create_swarm_node(initial_peers, client_mode=True, swarm_key=swarm_key)
     except P2PDaemonError as e:
         raise ValueError(f"could not join the swarm through {' '.join(initial_peers)}: {e}") from e

@@ -21,6 +21,8 @@ SessionId = NewType("SessionId", str)
 MAX_BATCH_SIZE = 1024
 MAX_SESSION_LENGTH = 1 << 20  # tokens; a sanity bound, the server's own limit is usually lower
 MAX_ADAPTER_NAME = 4096  # characters of an adapter's name (a hub repo id or a path)
+MAX_MADDRS = 16  # multiaddrs a server may announce
+MAX_MADDR_CHARS = 512
 
 
 
@@ -90,6 +92,9 @@ class ServerInfo(_Message):
     step_timeout: float = Field(default=300.0, gt=0)  # seconds one inference step may compute before it is abandoned
     session_timeout: float = Field(default=600.0, gt=0)  # seconds a session may sit idle before it is closed
     adapters: tuple[str, ...] = ()  # LoRA adapters loaded (--adapters), by the names clients ask for them with
+    # full multiaddrs clients may dial this server at (.../p2p/<peer id>); empty = let p2pd find them
+    maddrs: tuple[Annotated[str, Field(min_length=1, max_length=MAX_MADDR_CHARS)], ...] = Field(default=(), max_length=MAX_MADDRS)
+    relayed: bool = False  # reachable only through a relay (its maddrs are /p2p-circuit/ ones): an extra hop per step
 
     @model_validator(mode="after")
     def _check_range(self) -> ServerInfo:

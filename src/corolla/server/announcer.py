@@ -1,4 +1,10 @@
-"""Keeping this server's DHT record fresh: announce now, then every `period` seconds until stopped."""
+"""Keeping this server's DHT record fresh: announce now, then every `period` seconds until stopped.
+
+A failed announce (the DHT unreachable) is retried sooner: after 1 s, then doubling up to `period`. A store can
+also "succeed" while the node is cut off (it stores into its own table, the only one it reaches), so that is not
+the whole story: the node's SwarmWatch notices the empty routing table, rejoins when the network is back, and calls
+`refresh_soon()`; the record is then back in the DHT at once, not up to a period later.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,15 @@ from corolla.protocol.messages import ServerInfo
 
 logger = logging.getLogger(__name__)
 
+FIRST_RETRY = 1.0  # seconds before the first retry of a failed announce
+
+
+def retry_delay(failures: int, period: float) -> float:
+    """Seconds to wait after `failures` consecutive failed announces (0 = the last one succeeded)."""
+    if failures <= 0:
+        return period
+    return min(period, FIRST_RETRY * 2 ** (failures - 1))
+
 
 class Announcer:
     def __init__(self, dht: DHTNode, prefix: str, peer_id: str, make_info: Callable[[], ServerInfo], period: float, expiration: float,
@@ -27,6 +42,7 @@ class Announcer:
         self.expiration = expiration
         self.model = model
         self._wake = asyncio.Event()
+        self.failures = 0  # consecutive failed periodic announces
 
     async def announce(self) -> bool:
         """Store the current record under every hosted block; True when every store succeeded."""
@@ -36,18 +52,31 @@ class Announcer:
         return ok
 
     def refresh_soon(self) -> None:
-        """Ask the loop to announce at once (e.g. after a big change in free cache)."""
+        """Ask the loop to announce at once (e.g. after a big change in free cache, or after rejoining the swarm)."""
         self._wake.set()
 
+    async def announce_soon(self) -> None:
+        """refresh_soon() as a coroutine (a callback of SwarmWatch.on_rejoined)."""
+        self.refresh_soon()
+
     async def run(self) -> None:
-        """Announce periodically until cancelled; a failed store is retried at the next period."""
+        """Announce periodically until cancelled; a failed store is retried sooner (see the module docstring)."""
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.period)
+                await asyncio.wait_for(self._wake.wait(), retry_delay(self.failures, self.period))
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
             try:
-                await self.announce()
-            except Exception as e:  # the DHT may be briefly unreachable; keep serving and retry
-                logger.warning("announce failed: %s", e)
+                ok = await self.announce()
+                error = None if ok else "a DHT store was refused or unanswered"
+            except Exception as e:  # the DHT may be unreachable; keep serving and retry
+                error = str(e) or type(e).__name__
+            if error is None:
+                if self.failures:
+                    logger.info("announced again after %d failed attempt(s)", self.failures)
+                self.failures = 0
+                continue
+            self.failures += 1
+            log = logger.warning if self.failures == 1 else logger.debug
+            log("announce failed (%s); retrying in %.0fs", error, retry_delay(self.failures, self.period))

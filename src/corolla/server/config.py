@@ -16,8 +16,37 @@ class ServerConfig:
         default=(), metadata=_opt("multiaddrs of DHT peers to join (/ip4/HOST/tcp/PORT/p2p/PEERID)", nargs="+")
     )
     new_swarm: bool = field(default=False, metadata=_opt("start a new swarm: this server is its own bootstrap peer"))
-    host: str = field(default="127.0.0.1", metadata=_opt("address to listen on"))
+    host: str = field(default="127.0.0.1", metadata=_opt("address to listen on (0.0.0.0: every interface)"))
     port: int = field(default=0, metadata=_opt("TCP port to listen on; 0 = chosen by the OS"))
+    identity: str | None = field(
+        default=None,
+        metadata=_opt("private key file (created, mode 0600, if missing): the server keeps its peer id across restarts"),
+    )
+    announce_maddrs: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt("addresses other peers should dial, e.g. /ip4/PUBLIC_IP/tcp/PORT when a NAT forwards that port "
+                      "here (default: the addresses listened on)", nargs="+"),
+    )
+    use_relay: bool = field(
+        default=True, metadata=_opt("dial peers that are behind NATs through the relays they announce")
+    )
+    relays: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "for a server that accepts no inbound connections (behind a NAT): reserve a relayed address at these "
+            "public peers (`corolla dht --relay`) and announce it; clients reach the server through them (an extra "
+            "hop per step). The bundled p2pd reserves about 20 s after start when it knows 4 or more relays, after "
+            "about 3 minutes otherwise", nargs="+"),
+    )
+    swarm_key: str | None = field(
+        default=None,
+        metadata=_opt("private swarm: the swarm key file (`corolla swarm-key PATH`); only peers holding it may read "
+                      "the DHT or use this server"),
+    )
+    rejoin_period: float = field(
+        default=5.0,
+        metadata=_opt("how often to check contact with the swarm and, after an outage, retry rejoining it, seconds"),
+    )
     blocks: str | None = field(default=None, metadata=_opt("serve exactly these blocks, 'A:B' (half-open)"))
     num_blocks: int | None = field(
         default=None, metadata=_opt("serve this many consecutive blocks, chosen where the swarm is weakest")

@@ -75,12 +75,14 @@ class ConnectionHandler:
         config: ServerConfig,
         describe: Callable[[], InfoReply],
         metrics: ServerMetrics | None = None,
+        authorize: Callable[[str], Awaitable[bool]] | None = None,
     ):
         self.stack = stack
         self.metrics = metrics or ServerMetrics()
         self.worker = worker
         self.config = config
         self.describe = describe
+        self.authorize = authorize  # private swarms: whether a peer id may use this server (None: anybody)
         self.shutting_down = False
         self.adapters = AdapterCalls(config.adapters)  # compute functions run with a request's LoRA adapter
         self.checks = RequestChecks(stack.start, stack.end, stack.hidden_size, self.adapters, config.max_session_length)
@@ -109,9 +111,9 @@ class ConnectionHandler:
 
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
         for verb, handler in self._handlers().items():
-            await p2p.add_binary_stream_handler(rpc_handler_name(verb), _stream_adapter(handler, verb, self.metrics))
+            await p2p.add_binary_stream_handler(rpc_handler_name(verb), _stream_adapter(handler, verb, self.metrics, authorize=self.authorize))
             for version in LEGACY_VERSIONS:
-                await p2p.add_binary_stream_handler(rpc_handler_name(verb, version), _legacy_stream(version, verb, self.metrics))
+                await p2p.add_binary_stream_handler(rpc_handler_name(verb, version), _legacy_stream(version, verb, self.metrics, self.authorize))
 
     async def unregister(self, p2p) -> None:
         """Stop accepting new streams (the server is moving to other blocks); open sessions are ended elsewhere."""
@@ -198,10 +200,12 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[
 ReplyWriter = Callable[[asyncio.StreamWriter, ErrorReply], Awaitable[None]]
 
 
-def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_with: ReplyWriter = write_frame):
+def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_with: ReplyWriter = write_frame,
+                    authorize: Callable[[str], Awaitable[bool]] | None = None):
     """Wrap a handler so every failure becomes an ErrorReply on its own stream (written by `reply_with`) and
     nothing escapes. The one place where streams are accepted and errors replied; `metrics` counts the stream
-    (as `verb`), its bytes and its error reply."""
+    (as `verb`), its bytes and its error reply. With `authorize` (private swarms), a stream whose authenticated
+    peer id it refuses is answered with an error before anything is read from it."""
 
     async def on_stream(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = stream_info.peer_id.to_base58()
@@ -209,6 +213,9 @@ def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_w
         with closing(writer):
             reply: ErrorReply | None = None
             try:
+                if authorize is not None and not await authorize(peer):
+                    raise RequestError(ErrorCode.BAD_REQUEST, "refused: this is a private swarm and your peer did "
+                                                              "not prove it holds the swarm key (--swarm-key)")
                 await handler(reader, writer, peer)
             except RequestError as e:
                 logger.info("request refused peer=%s code=%s reason=%s", peer, e.code.value, e)
@@ -241,7 +248,8 @@ def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_w
     return on_stream
 
 
-def _legacy_stream(version: int, verb: str, metrics: ServerMetrics):
+def _legacy_stream(version: int, verb: str, metrics: ServerMetrics,
+                   authorize: Callable[[str], Awaitable[bool]] | None = None):
     """The stream handler of an older protocol `version`'s handler name: an error naming both versions, in the
     frame format that version's peers read (protocol.compat)."""
 
@@ -253,7 +261,7 @@ def _legacy_stream(version: int, verb: str, metrics: ServerMetrics):
         writer.write(legacy_error_frame(version, error.message))
         await writer.drain()
 
-    return _stream_adapter(refuse, verb, metrics, reply_with)
+    return _stream_adapter(refuse, verb, metrics, reply_with, authorize)
 
 
 async def _await_peer_close(reader: asyncio.StreamReader) -> None:

@@ -23,7 +23,8 @@ from corolla.checkpoint import load_config, load_tensors
 from corolla.dht import ModelRecord, SwarmNode, create_swarm_node, fetch_block_servers, model_dht_prefix
 from corolla.models import get_family
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
+from corolla.membership import load_swarm_key
+from corolla.protocol.messages import MAX_MADDRS, InfoReply, ServerInfo, ServerState
 from corolla.server.adapters import attach_adapters, read_adapter_config
 from corolla.server.announcer import Announcer
 from corolla.server.backend import BlockStack, KVLayout
@@ -76,10 +77,12 @@ class Server:
         for adapter in config.adapters:  # refuse an unsupported adapter before joining the swarm
             read_adapter_config(adapter, cache_dir=config.cache_dir)
         self.prefix = config.dht_prefix or model_dht_prefix(config.model)
+        self.swarm_key = load_swarm_key(config.swarm_key) if config.swarm_key else None  # a bad file fails here
         self.state = ServerState.JOINING
         self.start_block = self.end_block = 0
         self.throughput = config.throughput or 0.0  # tokens/s per block; measured once the blocks load
         self.node: SwarmNode | None = None
+        self.maddrs: tuple[str, ...] = ()  # where clients dial this server, announced in its record
         self.stack: BlockStack | None = None
         self.allocator: CacheAllocator | None = None
         self.handler: ConnectionHandler | None = None
@@ -110,6 +113,8 @@ class Server:
             step_timeout=self.config.step_timeout,
             session_timeout=self.config.session_timeout,
             adapters=tuple(self.config.adapters),
+            maddrs=self.maddrs[:MAX_MADDRS],
+            relayed=self.node is not None and self.node.relayed,
         )
 
     def info_reply(self) -> InfoReply:
@@ -135,12 +140,17 @@ class Server:
         try:
             if self.config.metrics_port:
                 self.metrics.start_http(self.config.host, self.config.metrics_port)
-            self.node = await create_swarm_node(self.config.initial_peers, host=self.config.host, port=self.config.port)
+            self.node = await self._join()
             if self.config.new_swarm:
-                logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(await self.node.maddrs()))
+                logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(self.maddrs))
             self.start_block, self.end_block = await self._choose_blocks()
             model = ModelRecord(num_blocks=self.num_model_blocks, model_type=str(self.model_config.model_type)[:64])
             announcer = Announcer(self.node.dht, self.prefix, self.node.peer_id, self.server_info, self.config.announce_period, self.config.expiration, model)
+            # a rejoin attempt (3 s of pings at most) at least once per announce period while cut off: the record is
+            # back in the DHT within one period of the network's return
+            max_backoff = max(self.config.rejoin_period, min(30.0, self.config.announce_period) - 3.0)
+            watch = self.node.start_watch(self.config.rejoin_period, max_backoff)
+            watch.on_rejoined.append(announcer.announce_soon)
             await self._serve_blocks(announcer, worker)
             tasks.append(asyncio.create_task(announcer.run()))
             if self.config.balance_period > 0 and not self.config.blocks:
@@ -150,6 +160,20 @@ class Server:
             await self._stop.wait()
         finally:
             await self._shutdown(announcer, tasks, worker)
+
+    async def _join(self) -> SwarmNode:
+        """Start this server's P2P node and DHT peer (identity, addresses, relays and swarm key as configured)."""
+        config, begin = self.config, time.perf_counter()
+        node = await create_swarm_node(
+            config.initial_peers, host=config.host, port=config.port, announce_maddrs=config.announce_maddrs,
+            identity_path=config.identity, use_relay=config.use_relay, relays=config.relays,
+            swarm_key=self.swarm_key,
+        )
+        self.maddrs = tuple(await node.maddrs())
+        logger.info("joined the swarm as %s in %.2fs", node.peer_id, time.perf_counter() - begin)
+        if node.relayed:
+            logger.info("behind relays: clients reach this server at %s", " ".join(self.maddrs))
+        return node
 
     def _arm_fault(self) -> None:
         assert self.handler is not None
@@ -167,7 +191,9 @@ class Server:
             compute = await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
             network = await self._measure_network()
             self.throughput = announced_throughput(compute, network, self.end_block - self.start_block)
-        self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply, self.metrics)
+        gate = self.node.gate
+        self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply, self.metrics,
+                                         authorize=gate.authorize if gate is not None else None)
         await self.handler.register(self.node.p2p)
         self.state = ServerState.ONLINE
         self.metrics.describe(peer_id=self.node.peer_id, model=self.prefix, blocks=f"{self.start_block}:{self.end_block}",
@@ -176,7 +202,7 @@ class Server:
         logger.info(
             "serving blocks %d:%d of %s as %s (dht prefix %s, cache %d tokens, %.1f tokens/s per block) at %s",
             self.start_block, self.end_block, self.config.model, self.node.peer_id, self.prefix,
-            self.allocator.budget.total, self.throughput, " ".join(await self.node.maddrs()),
+            self.allocator.budget.total, self.throughput, " ".join(self.maddrs),
         )
 
     async def _leave_blocks(self, announcer: Announcer) -> None:

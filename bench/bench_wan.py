@@ -1,0 +1,143 @@
+"""Benchmark: a client and 2-3 servers on emulated hosts at 0, 20, 50 and 100 ms round trip.
+
+Every peer runs in its own network namespace with its own 10.x address (corolla.netemu; needs root), every pair of
+hosts the same round trip apart. Per round trip:
+- the measured link RTT (TCP echo between the client's and a server's host, median of 20);
+- join time: from starting `corolla serve` (weights already on disk) to its "serving blocks" line, per server,
+  and the part of it spent starting p2pd and joining the DHT;
+- time to first token (opening the session + prefill of the prompt + the client's head) and decode ms/token, the
+  medians over `--repeats` fresh sessions, with the round trips per token they imply (decode time / link RTT).
+  Today's protocol relays every hop through the client (client -> s1 -> client -> s2 -> client), so a decode step
+  costs one round trip per server: `expected_round_trips_per_token` states that baseline;
+- whether greedy generation equals the local HF model's.
+At the end, one server is restarted with an identity file that already exists (a server coming back after a crash):
+`join_with_identity_s`.
+
+    sudo python bench/bench_wan.py                        # 0/20/50/100 ms, 2 servers (~4 min)
+    sudo python bench/bench_wan.py --rtts 0 50 --servers 3 --new-tokens 32 --repeats 5
+Prints one JSON object on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from corolla.netemu import Agent, EmulatedNetwork, can_emulate, start_dht, start_server
+from corolla.netemu.swarm import join_time
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+SERVER_ARGS = ["--num-threads", "1", "--max-session-length", "512", "--host", "0.0.0.0"]
+
+
+def log(message: str) -> None:
+    print(f"[bench_wan {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def build_model(directory: Path, layers: int) -> str:
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": layers})).eval().save_pretrained(directory)
+    return str(directory)
+
+
+def spans(layers: int, servers: int) -> list[str]:
+    bounds = [round(i * layers / servers) for i in range(servers + 1)]
+    return [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])]
+
+
+def run_rtt(model: str, rtt_ms: float, args: argparse.Namespace, reference: list[list[int]], ids: torch.Tensor,
+            identities: Path, log_file) -> dict:
+    hosts = ["dht", *[f"s{i}" for i in range(args.servers)], "client"]
+    with EmulatedNetwork(hosts, rtt=rtt_ms / 1e3, rate_mbit=args.rate_mbit) as net:
+        measured = net.measure_rtt("client", "s0", samples=20)
+        _, peers = start_dht(net, "dht", "--host", "0.0.0.0", log=log_file)
+        procs = [start_server(net, f"s{i}", model, peers, *SERVER_ARGS, "--blocks", span, "--identity",
+                              str(identities / f"s{i}.key"), label=f"s{i}", log=log_file, wait=False)
+                 for i, span in enumerate(spans(args.layers, args.servers))]
+        join = [join_time(proc) for proc in procs]
+        dht_join = [float(proc.wait_for(r"joined the swarm as \S+ in ([\d.]+)s", 10).group(1)) for proc in procs]
+        log(f"rtt {rtt_ms} ms: measured {measured * 1e3:.2f} ms, servers joined after {[round(j, 2) for j in join]} s")
+        client = Agent(net, "client", model, peers, log=log_file)
+        if not client.ready["ready"]:
+            raise RuntimeError(f"client did not start: {client.ready}")
+        matches = client.generate(ids, args.new_tokens) == reference
+        timed = client.request("timed_decode", ids=ids.tolist(), new_tokens=args.new_tokens, repeats=args.repeats,
+                               timeout=600)
+        if not timed["ok"]:
+            raise RuntimeError(f"timed decode failed: {timed['error']}")
+        ttft = statistics.median(timed["ttft_s"])
+        decode = statistics.median(timed["decode_s_per_token"])
+        result = {
+            "rtt_configured_ms": rtt_ms,
+            "rtt_measured_ms": round(measured * 1e3, 3),
+            "join_time_s": [round(j, 3) for j in join],
+            "join_p2p_and_dht_s": dht_join,  # of which: starting p2pd and joining the DHT (from the server's log)
+            "ttft_ms": round(ttft * 1e3, 2),
+            "decode_ms_per_token": round(decode * 1e3, 2),
+            "round_trips_per_token": round(decode / measured, 2) if rtt_ms > 0 else None,
+            "round_trips_to_first_token": round(ttft / measured, 2) if rtt_ms > 0 else None,
+            "expected_round_trips_per_token": args.servers,
+            "greedy_matches_hf": matches,
+        }
+        if rtt_ms == args.rtts[-1]:  # a server coming back: restart s0 with its (now existing) identity
+            procs[0].stop()
+            again = start_server(net, "s0", model, peers, *SERVER_ARGS, "--blocks", spans(args.layers, args.servers)[0],
+                                 "--identity", str(identities / "s0.key"), label="s0-restarted", log=log_file, wait=False)
+            result["join_with_identity_s"] = round(join_time(again), 3)
+            result["join_with_identity_p2p_and_dht_s"] = float(
+                again.wait_for(r"joined the swarm as \S+ in ([\d.]+)s", 10).group(1))
+            # the import of torch/transformers/hivemind alone, for scale (the machine's load shows in both)
+            begin = time.monotonic()
+            net.run("s0", [sys.executable, "-c", "import corolla.server.server"], timeout=300)
+            result["python_imports_s"] = round(time.monotonic() - begin, 3)
+        log(f"rtt {rtt_ms} ms: {json.dumps(result)}")
+        return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rtts", type=float, nargs="+", default=[0, 20, 50, 100], help="round trips to test, ms")
+    parser.add_argument("--servers", type=int, default=2, choices=(2, 3), help="servers, each on its own host")
+    parser.add_argument("--layers", type=int, default=6, help="blocks of the tiny random Llama")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens per timed generation")
+    parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length")
+    parser.add_argument("--repeats", type=int, default=3, help="timed sessions per round trip (median reported)")
+    parser.add_argument("--rate-mbit", type=float, default=None, help="cap each host's link at this rate (Mbit/s)")
+    parser.add_argument("--log", default=None, help="write every process's output to this file")
+    args = parser.parse_args()
+    usable, why = can_emulate()
+    if not usable:
+        print(json.dumps({"error": f"emulated hosts unavailable: {why}"}))
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp, \
+            open(args.log or Path(tmp) / "processes.log", "w") as log_file:
+        model = build_model(Path(tmp) / "tiny-llama", args.layers)
+        torch.manual_seed(1)
+        ids = torch.randint(3, TINY["vocab_size"], (1, args.prompt_tokens))
+        hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            reference = hf.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0).tolist()
+        del hf
+        identities = Path(tmp) / "identities"
+        identities.mkdir()
+        results = [run_rtt(model, rtt, args, reference, ids, identities, log_file) for rtt in args.rtts]
+    print(json.dumps({
+        "servers": args.servers, "layers": args.layers, "new_tokens": args.new_tokens,
+        "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "rate_mbit": args.rate_mbit,
+        "protocol": "client relays every hop: each decode step is one round trip per server",
+        "results": results,
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
