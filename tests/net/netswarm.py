@@ -1,8 +1,16 @@
-"""Shared by the emulated-host tests: the skip condition, server flags, and the local HF model's greedy output."""
+"""Shared by the emulated-host tests: the skip condition, server flags, the local HF model's greedy output, and
+their fixtures (imported by the test modules: a conftest.py here would shadow tests/conftest.py for the modules
+that `import conftest`).
+
+Swarms on emulated hosts: every peer in its own network namespace with its own 10.x address (corolla.netemu).
+These tests need root (namespaces, TUN devices); elsewhere they skip, saying why. Each test makes its own
+EmulatedNetwork; everything it starts (corolla processes, their p2pd, the switch, the namespaces) ends with it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,3 +41,15 @@ def hf_greedy(model_path: str, new_tokens: int = 6, seed: int = 5) -> Reference:
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return Reference(ids, out.tolist(), new_tokens)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_path: str) -> Reference:
+    return hf_greedy(tiny_llama_path)
+
+
+@pytest.fixture
+def net_log(tmp_path: Path):
+    """One log file for every process of a test (each line prefixed with the process's name)."""
+    with open(tmp_path / "processes.log", "w") as f:
+        yield f

@@ -14,7 +14,7 @@ import pytest
 
 from corolla.netemu import EmulatedNetwork
 from corolla.netemu.swarm import Agent, corolla, start_dht, start_server as _start_server, wait_serving
-from netswarm import SERVER_ARGS, needs_namespaces
+from netswarm import SERVER_ARGS, needs_namespaces, net_log, reference  # noqa: F401 (fixtures)
 
 pytestmark = [needs_namespaces, pytest.mark.net]
 
