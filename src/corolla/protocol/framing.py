@@ -32,7 +32,7 @@ MAX_FRAME_BYTES = 1 << 30  # 1 GiB: a prefill of 16k tokens x hidden 8192 in flo
 LEN_BYTES = 8
 HEADER_LEN_BYTES = 4
 MAX_NAME_LENGTH = 64  # characters of a tensor's name
-MAX_HEADER_BYTES = 1 << 16  # bytes of a frame's msgpack header; the largest honest one (1024 hypo_ids) is ~10 KiB
+MAX_HEADER_BYTES = 1 << 16  # bytes of a msgpack header; honest ones stay under 10 KiB (1024 hypo_ids, a 4 KiB adapter name)
 MAX_DIMS = 8  # dimensions of one tensor
 
 DTYPES: dict[str, torch.dtype] = {
