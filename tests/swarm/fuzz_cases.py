@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hostile import HIDDEN_SIZE, SESSION_TIMEOUT
 from corolla.protocol.framing import DTYPE_NAMES
+from hostile import HIDDEN_SIZE, SESSION_TIMEOUT
 from raw_frames import BAD_VALUES, MAX_SESSION_LENGTH, Outcome, RawStream, frame, mangled, prefixed, tensor_frame
 
 H = HIDDEN_SIZE
@@ -38,6 +38,8 @@ TIMEOUT = {"error:timeout"}
 ANSWER = {"inference": "ok:session_opened", "forward": "ok:forward_result", "backward": "ok:backward_result",
           "info": "ok:info_reply", "probe": "ok:probe_reply"}
 VERBS = tuple(ANSWER)
+
+
 @dataclass(frozen=True)
 class Target:
     """A server the fuzz aims at: its peer id and blocks [start, end)."""
@@ -326,7 +328,7 @@ def bad_step(rng: random.Random, walk: Walk) -> tuple[str, bytes, set[str]]:
         allowed = {"error:session_full"}
     else:
         what = break_tensors(rng, tensors, walk.b, t, walk.nb, position + t)  # a step's mask covers the session
-    return what, tensor_frame({"kind": "inference_step", "step_id": walk.steps, "position": position, **fields}, tensors), allowed
+    return what, step_frame(walk.steps, position, tensors, **fields), allowed
 
 
 def other_message(rng: random.Random, target: Target) -> bytes:
@@ -356,8 +358,7 @@ async def session_walk(fz: Fuzzer, rng: random.Random, target: Target) -> None:
             return
         for _ in range(rng.randint(0, 5)):
             position, tensors, fields = valid_step(rng, walk)
-            await stream.write(tensor_frame({"kind": "inference_step", "step_id": walk.steps, "position": position,
-                                             **fields}, tensors))
+            await stream.write(step_frame(walk.steps, position, tensors, **fields))
             walk.steps += 1
             outcome, reply = await fz.expect("session/step", stream, {"ok:step_result"})
             if outcome != "ok:step_result":
@@ -390,8 +391,7 @@ async def session_walk(fz: Fuzzer, rng: random.Random, target: Target) -> None:
             await fz.expect(case, stream, TIMEOUT)
         elif ending in ("stall_mid_frame", "close_mid_frame"):
             position, tensors, fields = valid_step(rng, walk)
-            await stream.write(partial(tensor_frame({"kind": "inference_step", "step_id": walk.steps, "position": position,
-                                                     **fields}, tensors), rng))
+            await stream.write(partial(step_frame(walk.steps, position, tensors, **fields), rng))
             if ending == "stall_mid_frame":
                 await fz.expect(case, stream, TIMEOUT)
             else:
@@ -402,8 +402,7 @@ async def session_walk(fz: Fuzzer, rng: random.Random, target: Target) -> None:
         else:  # unread_steps: send steps without reading their answers, then leave
             for _ in range(rng.randint(2, 6)):
                 position, tensors, fields = valid_step(rng, walk)
-                await stream.write(tensor_frame({"kind": "inference_step", "step_id": walk.steps, "position": position,
-                                                 **fields}, tensors))
+                await stream.write(step_frame(walk.steps, position, tensors, **fields))
                 walk.held = position + tensors["hidden"].shape[1]
             fz.dropped(case)
 

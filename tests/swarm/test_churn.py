@@ -15,10 +15,10 @@ from collections import Counter
 
 import pytest
 
-from corolla.cli.local_swarm import LocalSwarm
-from fuzz_cases import H, Fuzzer, Target, Walk, bad_step, partial, randn, valid_step
-from hostile import HOSTILE_ARGS, SESSION_TIMEOUT, HonestClients, LoopNode, ServerWatch, log_problems
 from conftest import start_named_servers
+from corolla.cli.local_swarm import LocalSwarm
+from fuzz_cases import H, Fuzzer, Target, Walk, bad_step, partial, randn, step_frame, valid_step
+from hostile import HOSTILE_ARGS, SESSION_TIMEOUT, HonestClients, LoopNode, ServerWatch, log_problems
 from raw_frames import tensor_frame
 
 SEED = 1017
@@ -43,10 +43,6 @@ def churn_swarm(tiny_llama_path, tmp_path_factory):
             node.close()
 
 
-def step_frame(walk: Walk, position: int, tensors: dict, fields: dict) -> bytes:
-    return tensor_frame({"kind": "inference_step", "step_id": walk.steps, "position": position, **fields}, tensors)
-
-
 async def churn_session(fz: Fuzzer, rng: random.Random, target: Target) -> None:
     """One session, opened and then abandoned in one of MODES."""
     mode = rng.choice(MODES)
@@ -67,7 +63,7 @@ async def churn_session(fz: Fuzzer, rng: random.Random, target: Target) -> None:
             return
         for _ in range(rng.randint(0 if mode in ("stall", "never_step") else 1, 4)):
             position, tensors, fields = valid_step(rng, walk)
-            await stream.write(step_frame(walk, position, tensors, fields))
+            await stream.write(step_frame(walk.steps, position, tensors, **fields))
             walk.steps += 1
             if mode == "vanish_after_step":  # gone before the answer
                 break
@@ -86,10 +82,10 @@ async def churn_session(fz: Fuzzer, rng: random.Random, target: Target) -> None:
         elif mode == "overflow":  # fill the session, then one token more
             position = min(walk.held, walk.max_length)
             if position < walk.max_length:
-                await stream.write(step_frame(walk, position, {"hidden": randn(rng, batch, walk.max_length - position, H)}, {}))
+                await stream.write(step_frame(walk.steps, position, {"hidden": randn(rng, batch, walk.max_length - position, H)}))
                 walk.steps += 1
                 await fz.expect("churn/step", stream, {"ok:step_result"})
-            await stream.write(step_frame(walk, walk.max_length, {"hidden": randn(rng, batch, 1, H)}, {}))
+            await stream.write(step_frame(walk.steps, walk.max_length, {"hidden": randn(rng, batch, 1, H)}))
             await fz.expect(case, stream, {"error:session_full"})
         elif mode == "never_step":
             await asyncio.sleep(rng.uniform(0, 1))
@@ -100,12 +96,12 @@ async def churn_session(fz: Fuzzer, rng: random.Random, target: Target) -> None:
             await fz.expect(f"{case}/{what}", stream, allowed)
         elif mode == "mid_frame":
             position, tensors, fields = valid_step(rng, walk)
-            await stream.write(partial(step_frame(walk, position, tensors, fields), rng))
+            await stream.write(partial(step_frame(walk.steps, position, tensors, **fields), rng))
             fz.dropped(case)
         elif mode == "unread":
             for _ in range(rng.randint(1, 4)):
                 position, tensors, fields = valid_step(rng, walk)
-                await stream.write(step_frame(walk, position, tensors, fields))
+                await stream.write(step_frame(walk.steps, position, tensors, **fields))
                 walk.held = position + tensors["hidden"].shape[1]
             fz.dropped(case)
         else:  # vanish_after_step: the stream closes as the server answers
