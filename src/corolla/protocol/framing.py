@@ -9,7 +9,9 @@ carries is fixed by its `tensor_slots` (protocol.messages), and a frame with an 
 is refused, as is a frame of another protocol version (its error names both versions).
 
 The reader checks every length against a limit before allocating, so garbage on the stream produces a
-ProtocolError, never a huge allocation.
+ProtocolError, never a huge allocation: the frame against the reader's `max_bytes`, the header against
+MAX_HEADER_BYTES (msgpack turns a byte of header into up to ~70 bytes of Python objects, so a header as large as a
+frame could take a server's memory), and every tensor's shape against the bytes the frame holds.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ MAX_FRAME_BYTES = 1 << 30  # 1 GiB: a prefill of 16k tokens x hidden 8192 in flo
 LEN_BYTES = 8
 HEADER_LEN_BYTES = 4
 MAX_NAME_LENGTH = 64  # characters of a tensor's name
+MAX_HEADER_BYTES = 1 << 16  # bytes of a msgpack header; honest ones stay under 10 KiB (1024 hypo_ids, a 4 KiB adapter name)
+MAX_DIMS = 8  # dimensions of one tensor
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -73,6 +77,8 @@ def decode_frame(payload: bytes) -> tuple[Message, dict[str, torch.Tensor]]:
     if len(payload) < HEADER_LEN_BYTES:
         raise ProtocolError("frame too short")
     header_len = int.from_bytes(payload[:HEADER_LEN_BYTES], "big")
+    if header_len > MAX_HEADER_BYTES:
+        raise ProtocolError(f"frame header of {header_len} bytes exceeds the limit of {MAX_HEADER_BYTES} bytes")
     end = HEADER_LEN_BYTES + header_len
     if end > len(payload):
         raise ProtocolError("frame header is truncated")
@@ -113,14 +119,17 @@ def decode_frame(payload: bytes) -> tuple[Message, dict[str, torch.Tensor]]:
 def _check_spec(spec: object) -> tuple[str, torch.dtype, list[int]]:
     if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str) and isinstance(spec[1], str)
             and isinstance(spec[2], list)):
-        raise ProtocolError(f"bad tensor spec {spec!r}: expected [name, dtype, shape]")
+        raise ProtocolError(f"bad tensor spec {spec!r:.200}: expected [name, dtype, shape]")
     name, dtype, shape = spec
     if not 0 < len(name) <= MAX_NAME_LENGTH:
         raise ProtocolError(f"bad tensor name {name[:MAX_NAME_LENGTH]!r}")
     if dtype not in DTYPES:
         raise ProtocolError(f"unsupported dtype {dtype!r} of tensor {name!r}; supported: {', '.join(DTYPES)}")
-    if len(shape) > 8 or not all(isinstance(d, int) and 0 <= d for d in shape):
-        raise ProtocolError(f"bad shape {shape!r} of tensor {name!r}")
+    # bool is an int to Python but not to torch; a shape with a zero is empty whatever its other sizes, so those are
+    # bounded on their own (by the bytes a frame may hold) lest torch overflow computing strides
+    if (len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d for d in shape)
+            or math.prod(max(d, 1) for d in shape) > MAX_FRAME_BYTES):
+        raise ProtocolError(f"bad shape {str(shape)[:200]} of tensor {name!r}")
     return name, DTYPES[dtype], shape
 
 

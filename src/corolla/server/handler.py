@@ -10,6 +10,12 @@ Sessions (their cache reservation and KV cache) live in server.sessions. Every s
 error naming the problem, that session's cache is freed, and the server goes on serving everyone else. Nothing a
 client sends can raise out of a handler. Peers of an older protocol version get an error naming both versions
 (protocol.compat).
+
+Nothing a client does holds a stream, its task or its memory for long: a stream must say what it wants within
+`first_message_timeout`, an open session must send its next frame within the session timeout, and a client that
+stops reading has its stream aborted once a frame could not be written within the session timeout (it would
+otherwise keep its session, its cache reservation and the unsent bytes forever). A session's frames are limited
+to what a step of that session can hold, so its memory follows its cache reservation.
 """
 
 from __future__ import annotations
@@ -92,6 +98,8 @@ class ConnectionHandler:
         scheduler = Scheduler(stack, worker, self.adapters, config.step_timeout)
         self.faults = None if config.inject_fault is None else FaultInjector(scheduler, config.inject_fault, config.step_timeout)
         self.compute: Compute = self.faults or scheduler
+        # a stream that has not said what it wants is an idle session: it gets no longer than one
+        self.first_message_timeout = min(FIRST_MESSAGE_TIMEOUT, config.session_timeout)
 
     @property
     def sessions(self) -> dict[str, asyncio.Task[None]]:
@@ -111,9 +119,12 @@ class ConnectionHandler:
 
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
         for verb, handler in self._handlers().items():
-            await p2p.add_binary_stream_handler(rpc_handler_name(verb), _stream_adapter(handler, verb, self.metrics, authorize=self.authorize))
+            await p2p.add_binary_stream_handler(
+                rpc_handler_name(verb), _stream_adapter(handler, verb, self.metrics, authorize=self.authorize))
             for version in LEGACY_VERSIONS:
-                await p2p.add_binary_stream_handler(rpc_handler_name(verb, version), _legacy_stream(version, verb, self.metrics, self.authorize))
+                await p2p.add_binary_stream_handler(
+                    rpc_handler_name(verb, version),
+                    _legacy_stream(version, verb, self.metrics, self.first_message_timeout, self.authorize))
 
     async def unregister(self, p2p) -> None:
         """Stop accepting new streams (the server is moving to other blocks); open sessions are ended elsewhere."""
@@ -121,29 +132,37 @@ class ConnectionHandler:
             for name in [rpc_handler_name(verb), *(rpc_handler_name(verb, version) for version in LEGACY_VERSIONS)]:
                 await p2p.remove_binary_stream_handler(name)
 
+    async def _read_first(self, reader: asyncio.StreamReader, kind: type[_M], max_bytes: int = MAX_FRAME_BYTES
+                          ) -> tuple[_M, dict[str, torch.Tensor]]:
+        return await _read_first(reader, kind, max_bytes, self.first_message_timeout)
+
+    async def _send(self, writer: asyncio.StreamWriter, message: Message, tensors: Mapping[str, torch.Tensor] | None = None
+                    ) -> None:
+        await _send(writer, message, tensors or {}, self.config.session_timeout)
+
     # ------------------------------------------------------------------ rpc_info, rpc_probe
     async def rpc_info(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        await _read_first(reader, InfoRequest, max_bytes=1 << 16)
-        await write_frame(writer, self.describe())
+        await self._read_first(reader, InfoRequest, max_bytes=1 << 16)
+        await self._send(writer, self.describe())
 
     async def rpc_probe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         """Another server measuring its bandwidth: take its payload, send back the bytes it asks for."""
-        request, _ = await _read_first(reader, ProbeRequest, max_bytes=MAX_PROBE_BYTES + (1 << 16))
-        await write_frame(writer, ProbeReply(), {"payload": torch.zeros(request.reply_bytes // 4, dtype=torch.int32)})
+        request, _ = await self._read_first(reader, ProbeRequest, max_bytes=MAX_PROBE_BYTES + (1 << 16))
+        await self._send(writer, ProbeReply(), {"payload": torch.zeros(request.reply_bytes // 4, dtype=torch.int32)})
 
     # ------------------------------------------------------------------ rpc_forward, rpc_backward
     async def rpc_forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        request, tensors = await _read_first(reader, ForwardRequest)
+        request, tensors = await self._read_first(reader, ForwardRequest)
         self.checks.stateless(request)
         hidden, mask, prompts = self.checks.forward(request, tensors)
         blocks = request.blocks
         output = await self.compute.forward(hidden, blocks.start, blocks.end, request.active_adapter, prompts, mask)
-        await write_frame(writer, ForwardResult(), {"hidden": output.to(hidden.dtype)})
+        await self._send(writer, ForwardResult(), {"hidden": output.to(hidden.dtype)})
 
     async def rpc_backward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         """hidden, grad_output (and an attention mask and deep prompts, as rpc_forward takes them) ->
         grad_hidden (and grad_prompts)."""
-        request, tensors = await _read_first(reader, BackwardRequest)
+        request, tensors = await self._read_first(reader, BackwardRequest)
         self.checks.stateless(request)
         hidden, grad_output, mask, prompts = self.checks.backward(request, tensors)
         blocks = request.blocks
@@ -152,20 +171,21 @@ class ConnectionHandler:
         grads = {"grad_hidden": grad_hidden.to(hidden.dtype)}
         if grad_prompts is not None and prompts is not None:
             grads["grad_prompts"] = grad_prompts.to(prompts.dtype)
-        await write_frame(writer, BackwardResult(), grads)
+        await self._send(writer, BackwardResult(), grads)
 
     # ------------------------------------------------------------------ rpc_inference
     async def rpc_inference(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         """open_session, then inference steps until close_session: each step read, checked, planned, run, answered."""
-        request, _ = await _read_first(reader, OpenSession, max_bytes=1 << 16)
+        request, _ = await self._read_first(reader, OpenSession, max_bytes=1 << 16)
         if self.shutting_down:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "server is shutting down")
         self.checks.open_session(request)
         async with self.table.open(request, peer) as session:
-            await write_frame(writer, SessionOpened(session_id=session.id, max_length=session.max_length))
+            frame_limit = self.checks.step_frame_limit(session.batch_size, session.max_length, session.num_blocks)
+            await self._send(writer, SessionOpened(session_id=session.id, max_length=session.max_length))
             while True:
                 try:
-                    message, tensors = await asyncio.wait_for(read_frame(reader), self.config.session_timeout)
+                    message, tensors = await asyncio.wait_for(read_frame(reader, frame_limit), self.config.session_timeout)
                 except asyncio.TimeoutError:
                     raise RequestError(ErrorCode.TIMEOUT, f"session idle for more than {self.config.session_timeout:.0f}s") from None
                 if isinstance(message, CloseSession):
@@ -173,7 +193,7 @@ class ConnectionHandler:
                 if not isinstance(message, InferenceStep):
                     raise RequestError(ErrorCode.BAD_REQUEST, f"expected an inference step, got {message.kind}")
                 result, output = await self.run_step(session, message, tensors)
-                await write_frame(writer, result, {"hidden": output})
+                await self._send(writer, result, {"hidden": output})
 
     async def run_step(self, session: ServerSession, message: InferenceStep, tensors: Mapping[str, torch.Tensor]
                        ) -> tuple[StepResult, torch.Tensor]:
@@ -187,13 +207,32 @@ class ConnectionHandler:
         return StepResult(step_id=step.step_id, position=session.position), output.to(step.hidden.dtype)
 
 
-async def _read_first(reader: asyncio.StreamReader, kind: type[_M], max_bytes: int = MAX_FRAME_BYTES
-                      ) -> tuple[_M, dict[str, torch.Tensor]]:
-    """The first message of a stream, which must be a `kind`, and its tensors."""
-    message, tensors = await asyncio.wait_for(read_frame(reader, max_bytes=max_bytes), FIRST_MESSAGE_TIMEOUT)
+async def _read_first(reader: asyncio.StreamReader, kind: type[_M], max_bytes: int = MAX_FRAME_BYTES,
+                      timeout: float = FIRST_MESSAGE_TIMEOUT) -> tuple[_M, dict[str, torch.Tensor]]:
+    """The first message of a stream, which must be a `kind`, and its tensors; TimeoutError after `timeout` seconds."""
+    message, tensors = await asyncio.wait_for(read_frame(reader, max_bytes=max_bytes), timeout)
     if not isinstance(message, kind):
         raise RequestError(ErrorCode.BAD_REQUEST, f"this stream takes {kind.model_fields['kind'].default}, got {message.kind}")
     return message, tensors
+
+
+async def _send(writer: asyncio.StreamWriter, message: Message, tensors: Mapping[str, torch.Tensor], timeout: float
+                ) -> None:
+    """Write one frame. A peer that has not taken it within `timeout` seconds stopped reading: its stream is aborted
+    (dropping what is buffered for it) and ConnectionAbortedError ends the handler."""
+    try:
+        await asyncio.wait_for(write_frame(writer, message, tensors), timeout)
+    except asyncio.TimeoutError:
+        logger.info("stream aborted: the peer took no data for %.0fs", timeout)
+        _abort(writer)
+        raise ConnectionAbortedError(f"the peer took no data for {timeout:.0f}s") from None
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """End the stream at once, with whatever is still buffered for the peer (closing would wait to send it)."""
+    transport = getattr(writer, "transport", None)
+    if transport is not None:
+        transport.abort()
 
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
@@ -242,19 +281,23 @@ def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_w
                     await asyncio.wait_for(reply_with(writer, reply), 5.0)
                 except (ConnectionError, asyncio.TimeoutError, RuntimeError, OSError):
                     logger.debug("could not deliver error to peer=%s", peer)
+                    _abort(writer)
             if reply is None or reply.code != ErrorCode.SHUTTING_DOWN:
                 await _await_peer_close(reader)
+                transport = getattr(writer, "transport", None)
+                if transport is not None and transport.get_write_buffer_size():
+                    _abort(writer)  # the peer neither read nor closed: what it did not take is dropped now
 
     return on_stream
 
 
-def _legacy_stream(version: int, verb: str, metrics: ServerMetrics,
+def _legacy_stream(version: int, verb: str, metrics: ServerMetrics, timeout: float = FIRST_MESSAGE_TIMEOUT,
                    authorize: Callable[[str], Awaitable[bool]] | None = None):
     """The stream handler of an older protocol `version`'s handler name: an error naming both versions, in the
-    frame format that version's peers read (protocol.compat)."""
+    frame format that version's peers read (protocol.compat), once their request is read (`timeout` seconds at most)."""
 
     async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        await asyncio.wait_for(discard_frame(reader), FIRST_MESSAGE_TIMEOUT)
+        await asyncio.wait_for(discard_frame(reader), timeout)
         raise RequestError(ErrorCode.BAD_REQUEST, version_mismatch(version))
 
     async def reply_with(writer: asyncio.StreamWriter, error: ErrorReply) -> None:

@@ -66,7 +66,7 @@ def padded_step(stack: BlockStack, hidden: torch.Tensor, cache: SessionKV, plan:
     """
     x = hidden.to(stack.device, stack.dtype)
     out = x.clone()  # padded slots pass through unchanged
-    if plan.ragged:  # one token per row, rows at different lengths: one batched call over the real rows
+    if plan.ragged and plan.runs:  # one token per row, rows at different lengths: one batched call, real rows only
         outputs = stack.decode_batch([DecodeItem(x[run.r0 : run.r1], cache.rows(run.r0, run.r1), run.length)
                                       for run in plan.runs])
         for run, output in zip(plan.runs, outputs):

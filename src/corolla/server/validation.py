@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.framing import version_mismatch
+from corolla.protocol.framing import HEADER_LEN_BYTES, MAX_HEADER_BYTES, version_mismatch
 from corolla.protocol.messages import BackwardRequest, BlockRange, ErrorCode, ForwardRequest, InferenceStep, OpenSession
 from corolla.server.adapters import AdapterCalls
 from corolla.server.backward import FLOAT_DTYPES, check_grad_output, check_prompts
@@ -76,7 +76,26 @@ class RequestChecks:
         self.blocks(request.blocks)
         self.adapter(request.active_adapter)
 
+    def step_frame_limit(self, batch_size: int, max_length: int, num_blocks: int) -> int:
+        """The most bytes a frame of a session of `batch_size` rows, `max_length` tokens and `num_blocks` blocks may
+        take: a step's hidden states (B, L, H) and deep prompts (num_blocks, L, H) in float32, its attention mask
+        (B, L) in int64, and a header. A longer frame is refused unread, so what a session's stream can make the
+        server hold follows its cache reservation."""
+        floats = (batch_size + num_blocks) * max_length * self.hidden_size * 4
+        return floats + batch_size * max_length * 8 + HEADER_LEN_BYTES + MAX_HEADER_BYTES
+
     # ------------------------------------------------------------------ tensors
+    def sequence(self, hidden: Tensor) -> Tensor:
+        """Hidden states of a forward or backward pass, (B, T, H) with T at most the server's session limit: its
+        attention costs T x T, so one longer request would hold the compute thread for minutes."""
+        self.hidden(hidden)
+        if hidden.shape[1] > self.max_session_length:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"a pass over {hidden.shape[1]} tokens exceeds this server's limit of {self.max_session_length} tokens",
+            )
+        return hidden
+
     def hidden(self, hidden: Tensor, batch_size: int | None = None) -> Tensor:
         """Hidden states (B, T, hidden_size), finite float, non-empty; B = batch_size if given."""
         if hidden.dtype not in FLOAT_DTYPES:
@@ -140,7 +159,7 @@ class RequestChecks:
 
     def forward(self, request: ForwardRequest, tensors: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(hidden (B, T, H), attention_mask (B, T) or None, prompts (n_blocks, P, H) or None) of a forward."""
-        hidden = self.hidden(tensors["hidden"])
+        hidden = self.sequence(tensors["hidden"])
         blocks = request.blocks
         mask, prompts = self.mask_and_prompts(tensors, hidden, blocks.end - blocks.start, hidden.shape[1])
         return hidden, mask, prompts
@@ -148,7 +167,7 @@ class RequestChecks:
     def backward(self, request: BackwardRequest, tensors: Mapping[str, Tensor]
                  ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """(hidden, grad_output, attention_mask or None, prompts or None) of a backward, as `forward` takes them."""
-        hidden = self.hidden(tensors["hidden"])
+        hidden = self.sequence(tensors["hidden"])
         try:
             grad_output = check_grad_output(tensors["grad_output"], hidden)
         except ValueError as e:
