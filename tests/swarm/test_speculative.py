@@ -8,6 +8,8 @@ other families (tiny random checkpoints, as in test_families), each with the loc
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -216,3 +218,43 @@ def test_every_family_decodes_speculatively_exactly_as_hf_greedy(family):
         assert torch.equal(out, expected), f"{sorted(kwargs)} differs from HF greedy"
         if "assistant_model" in kwargs:
             assert steps == 10  # the model drafting for itself: 6 tokens per round trip, 60 = 10 * 6
+
+
+# ---------------------------------------------------------------------- failover
+class KillAfter(Recorder):
+    """A streamer that calls `action()` once, right after its `n`-th put."""
+
+    def __init__(self, n: int, action):
+        super().__init__()
+        self.n, self.action = n, action
+
+    def put(self, value: torch.Tensor) -> None:
+        super().put(value)
+        if len(self.puts) == self.n:
+            self.action()
+
+
+@pytest.mark.parametrize("drafter", ["itself", "lookup"])
+def test_killing_a_server_mid_speculation_with_a_replica_keeps_the_greedy_output(tiny_llama_path, tmp_path, drafter):
+    """kill -9 of the tail server right after the 10th token: the session replays the inputs the rolled-back
+    positions left (not the rejected drafts) into the replica, and the output is plain greedy's."""
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    prompt = torch.tensor([[1, 11, 22, 33, 44, 11, 22, 33]])
+    expected = reference.generate(prompt, max_new_tokens=40, do_sample=False)
+    kwargs = (dict(assistant_model=reference, num_assistant_tokens=4, assistant_confidence_threshold=0.0)
+              if drafter == "itself" else dict(prompt_lookup_num_tokens=4))
+    servers = {"head": ["--blocks", "0:2"], "tail": ["--blocks", "2:4", "--throughput", "1000"],
+               "replica": ["--blocks", "2:4", "--throughput", "10"]}
+    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
+        swarm = start_named_servers(local, tiny_llama_path, servers)
+        model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama_path, initial_peers=swarm.peers)
+        try:
+            killer = KillAfter(11, lambda: local.kill(swarm.procs["tail"], signal.SIGKILL))  # the prompt, 10 tokens
+            with model.inference_session(max_length=64) as session:
+                out = model.generate(prompt, max_new_tokens=40, session=session, streamer=killer, **kwargs)
+                steps = session.steps
+        finally:
+            model.shutdown()
+    assert torch.equal(out, expected)
+    assert not swarm.procs["tail"].alive()
+    assert steps < 40
