@@ -186,6 +186,15 @@ def test_an_assistant_with_another_vocabulary_is_refused(demo, model):
         model.generate(ids_of(demo, "The server"), assistant_model=other, max_new_tokens=4)
 
 
+def test_prompt_lookup_after_inputs_embeds_equals_plain(demo, model):
+    ids = ids_of(demo, TEXT)
+    embeds = model.get_input_embeddings()(ids)
+    plain = model.generate(inputs_embeds=embeds, max_new_tokens=40)
+    assert torch.equal(model.generate(inputs_embeds=embeds, max_new_tokens=40, prompt_lookup_num_tokens=6), plain)
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model.generate(inputs_embeds=embeds, max_new_tokens=4, assistant_model=demo["draft"])
+
+
 # ---------------------------------------------------------------------- other families
 FAMILIES = ["mistral-window8", "bloom", "falcon-7b-style", "mixtral"]  # llama: the demo model above
 
@@ -258,3 +267,4 @@ def test_killing_a_server_mid_speculation_with_a_replica_keeps_the_greedy_output
     assert torch.equal(out, expected)
     assert not swarm.procs["tail"].alive()
     assert steps < 40
+

@@ -297,10 +297,12 @@ def _check_assistant(model: GenerationModel, assistant: Any) -> None:
 def _embed_pending(model: GenerationModel, session: InferenceSession, ids: torch.Tensor, call: _Call,
                    call_start: int) -> torch.Tensor:
     """Embeddings (rows, t, H) of the pending tokens `ids`: the call's inputs_embeds where it gave them, else the
-    token embeddings. Raises ValueError for a pending token known only as hidden states."""
+    token embeddings (also of tokens after the call's, e.g. a draft sent with them). Raises ValueError for a pending
+    token known only as hidden states."""
     first = session.token_ids.shape[1] - ids.shape[1]  # the context column of the first pending token
+    call_end = call_start + call.ids.shape[1]
     with torch.no_grad():
-        if call.embeds is None or first >= call_start + call.ids.shape[1]:
+        if call.embeds is None or first >= call_end:
             if bool((ids == UNKNOWN).any()):
                 raise ValueError("the session's next token is known only as hidden states (stepped without token ids); "
                                  "pass input_ids or inputs_embeds to continue it")
@@ -309,6 +311,9 @@ def _embed_pending(model: GenerationModel, session: InferenceSession, ids: torch
         if first < call_start:
             parts.append(model.embed(input_ids=ids[:, : call_start - first]))
         parts.append(model.embed(inputs_embeds=call.embeds[:, max(first - call_start, 0) :]))
+        after = first + ids.shape[1] - call_end  # pending tokens past the call's
+        if after > 0:
+            parts.append(model.embed(input_ids=ids[:, ids.shape[1] - after :]))
         return torch.cat(parts, dim=1)
 
 
