@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"server {proc.name} (pid {proc.pid}) serves blocks {a}:{b}", file=sys.stderr)
         print(f"swarm ready in {time.perf_counter() - begin:.1f}s; generating through {servers} server(s)\n", file=sys.stderr)
 
+        # one torch thread, as each server: on a small machine the processes' OpenMP pools would fight over the
+        # cores (the draft model's small matmuls suffer most: 4x slower with 2 threads on 2 busy cores, measured)
+        torch.set_num_threads(1)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=peers, torch_dtype=torch.float32)
         try:
