@@ -6,17 +6,21 @@ Modes, each on the same prompts and the same swarm:
 * prompt_lookup   - `prompt_lookup_num_tokens=K`: drafts copied from the context (no model);
 * draft           - `assistant_model=` the demo model's shipped draft (corolla/demo_draft), its generation_config's
                     num_assistant_tokens;
-* draft_sampling  - (with --sampling) the draft with T=0.8, top_p=0.9: tokens differ from plain by design (the
-                    target distribution is kept, not the draws), so only its round trips and speed are reported.
+* plain_sampling, draft_sampling - (with --sampling) T=0.8, top_p=0.9 without and with the draft: their tokens
+                    differ by design (the target distribution is kept, not the draws), so only round trips and speed
+                    are compared.
 
 Measured per run (a fresh inference session each): round trips = the session's `steps` (steps sent through the
 chain), tokens per round trip = new tokens / round trips, time to first token, and decode tokens/s =
-(new tokens - 1) / (time of the last token - time of the first), from a streamer's timestamps. Medians over repeats
+(new tokens - 1) / (time of the last token - time of the first), from a streamer's timestamps, and the time per
+round trip spent in the swarm (inside session steps) and in the client (drafting, heads, sampling). Medians over repeats
 after one untimed warm-up. Greedy modes must give plain's tokens exactly (`identical_tokens`).
 
 Without --initial-peers it starts a loopback swarm (a DHT peer and two servers, blocks 0:3 and 3:6 of the demo model,
 one torch thread each); with them it measures that swarm (e.g. emulated WAN hosts): `compare()` is the entry point
-for other benchmarks. Prints one JSON object on stdout, progress on stderr.
+for other benchmarks. `projected_speedup_at_50ms_rtt_2_crossings` is arithmetic, not a measurement: the speedup if
+every round trip also crossed a 50 ms link twice (client relay over 2 servers), from the measured times per round
+trip; the WAN benchmark measures it. Prints one JSON object on stdout, progress on stderr.
 
     python bench/bench_speculative.py                      # loopback, ~2-4 min here
     python bench/bench_speculative.py --new-tokens 64 --repeats 1 --sampling
@@ -82,6 +86,7 @@ def run_once(model, ids: torch.Tensor, new_tokens: int, kwargs: dict[str, Any], 
     if seed is not None:
         torch.manual_seed(seed)
     with model.inference_session(max_length=ids.shape[1] + new_tokens) as session:
+        in_swarm = _time_steps(session)
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, streamer=clock, eos_token_id=None, **kwargs)
         total = time.perf_counter() - start
@@ -91,8 +96,34 @@ def run_once(model, ids: torch.Tensor, new_tokens: int, kwargs: dict[str, Any], 
     return {
         "tokens": out[0, ids.shape[1]:].tolist(), "new_tokens": new, "round_trips": steps,
         "tokens_per_round_trip": new / steps, "time_to_first_token_s": clock.times[0] - start, "total_s": total,
+        "swarm_ms_per_round_trip": 1e3 * sum(in_swarm) / steps,
+        "client_ms_per_round_trip": 1e3 * (total - sum(in_swarm)) / steps,
         "decode_tokens_per_s": (new - 1) / decode if new > 1 else float("nan"),
     }
+
+
+def _time_steps(session) -> list[float]:
+    """The seconds each step of `session` spends in the swarm (wraps this session's step_async; bench only)."""
+    spent: list[float] = []
+    step_async = session.step_async
+
+    async def timed(hidden, attention_mask=None):
+        begin = time.perf_counter()
+        try:
+            return await step_async(hidden, attention_mask)
+        finally:
+            spent.append(time.perf_counter() - begin)
+
+    session.step_async = timed
+    return spent
+
+
+def projected_tokens_per_s(result: dict[str, Any], added_rtt_ms: float, crossings: int) -> float:
+    """A projection, not a measurement: decode tokens/s if each round trip also paid `crossings` network round trips
+    of `added_rtt_ms` (client relay over S servers: S crossings; push: about 1), the client's and servers' work as
+    measured here."""
+    per_round_trip = result["client_ms_per_round_trip"] + result["swarm_ms_per_round_trip"] + crossings * added_rtt_ms
+    return 1e3 * result["tokens_per_round_trip"] / per_round_trip
 
 
 def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_path: str | None = None, *,
@@ -115,8 +146,9 @@ def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_p
         "draft": ({"assistant_model": draft}, None),
     }
     if sampling:
-        modes["draft_sampling"] = ({"assistant_model": draft, "do_sample": True, "temperature": 0.8, "top_p": 0.9,
-                                    "top_k": 0}, 0)
+        settings = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 0}
+        modes["plain_sampling"] = (settings, 0)
+        modes["draft_sampling"] = ({"assistant_model": draft, **settings}, 0)
     runs: dict[str, dict[str, Any]] = {mode: {} for mode in modes}
     try:
         for name, text in prompts.items():
@@ -135,20 +167,23 @@ def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_p
 
 
 def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("round_trips", "tokens_per_round_trip", "time_to_first_token_s", "total_s", "decode_tokens_per_s")
+    keys = ("round_trips", "tokens_per_round_trip", "time_to_first_token_s", "total_s", "decode_tokens_per_s",
+            "swarm_ms_per_round_trip", "client_ms_per_round_trip")
     out = {key: round(statistics.median(r[key] for r in results), 4) for key in keys}
     return {**out, "new_tokens": results[0]["new_tokens"], "tokens": results[0]["tokens"]}
 
 
 def _summary(runs: dict[str, dict[str, Any]], modes: dict[str, Any]) -> dict[str, Any]:
-    plain = runs["plain"]
     summary = {}
     for mode in modes:
+        plain = runs["plain_sampling" if modes[mode][1] is not None else "plain"]  # sampling against plain sampling
         per_prompt = {}
         for name, result in runs[mode].items():
             entry = {"tokens_per_round_trip": result["tokens_per_round_trip"],
                      "decode_speedup_vs_plain": round(result["decode_tokens_per_s"] / plain[name]["decode_tokens_per_s"], 3),
-                     "round_trip_ratio_vs_plain": round(plain[name]["round_trips"] / result["round_trips"], 3)}
+                     "round_trip_ratio_vs_plain": round(plain[name]["round_trips"] / result["round_trips"], 3),
+                     "projected_speedup_at_50ms_rtt_2_crossings": round(
+                         projected_tokens_per_s(result, 50, 2) / projected_tokens_per_s(plain[name], 50, 2), 2)}
             if modes[mode][1] is None:  # greedy: must be plain's tokens
                 entry["identical_tokens"] = result["tokens"] == plain[name]["tokens"]
             per_prompt[name] = entry
