@@ -9,6 +9,8 @@ other families (tiny random checkpoints, as in test_families), each with the loc
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +38,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory):
         model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.peers, dtype=torch.float32)
         try:
             yield dict(model=model, tokenizer=AutoTokenizer.from_pretrained(path), peer_ids=list(swarm.peer_ids.values()),
+                       path=path, peers=swarm.peers,
                        local=local, reference=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
                        draft=AutoModelForCausalLM.from_pretrained(str(demo_draft_path()), dtype=torch.float32).eval())
         finally:
@@ -193,6 +196,18 @@ def test_prompt_lookup_after_inputs_embeds_equals_plain(demo, model):
     assert torch.equal(model.generate(inputs_embeds=embeds, max_new_tokens=40, prompt_lookup_num_tokens=6), plain)
     with pytest.raises(ValueError, match="inputs_embeds"):
         model.generate(inputs_embeds=embeds, max_new_tokens=4, assistant_model=demo["draft"])
+
+
+def test_corolla_generate_prints_the_same_text_with_the_demo_draft_and_with_prompt_lookup(demo, model):
+    def generate(*extra: str) -> str:
+        command = [sys.executable, "-m", "corolla.cli.main", "generate", demo["path"], "--initial-peers", *demo["peers"],
+                   "--max-new-tokens", "40", "The server", *extra]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout
+
+    plain = generate()
+    assert plain.strip() and generate("--assistant-model", "demo") == plain == generate("--prompt-lookup", "5")
 
 
 # ---------------------------------------------------------------------- other families
