@@ -90,28 +90,36 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--teacher", default=str(DEMO_MODEL))
     parser.add_argument("--layers", type=int, default=2, help="teacher layers the draft keeps")
+    parser.add_argument("--init", default=None, help="continue training this draft (a directory this script wrote) "
+                                                     "instead of starting from the teacher's layers")
     parser.add_argument("--steps", type=int, default=1500, help="most optimizer steps")
     parser.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the training windows")
+    parser.add_argument("--split-seed", type=int, default=0, help="seed of the held-out split (keep it when continuing)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.teacher)
     teacher = LlamaForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval().requires_grad_(False)
-    draft = build_draft(teacher, args.layers).float().train()
+    if args.init:
+        draft = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32).train()
+        kept = json.loads((Path(args.init) / "training_log.json").read_text())["layers_kept"]
+    else:
+        draft = build_draft(teacher, args.layers).float().train()
+        kept = layer_subset(teacher.config.num_hidden_layers, args.layers)
 
     docs = [d for d in Path(args.corpus).read_text(encoding="utf-8").split("\n\n") if d.strip()]
-    random.Random(args.seed).shuffle(docs)
+    random.Random(args.split_seed).shuffle(docs)
     n_val = max(1, round(0.02 * len(docs)))
     encode = lambda ds: torch.tensor([t for d in ds for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]])  # noqa: E731
     val, train = encode(docs[:n_val]), encode(docs[n_val:])
     before = agreement(draft, teacher, val, args.context, 64)
-    print(f"draft keeps layers {layer_subset(teacher.config.num_hidden_layers, args.layers)}; "
+    print(f"draft keeps layers {kept}{' (continued from ' + args.init + ')' if args.init else ''}; "
           f"before training: greedy agreement {before[0]:.3f}, KL {before[1]:.3f}", flush=True)
 
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0)
@@ -142,7 +150,8 @@ def main() -> None:
     draft.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     log = {
-        "teacher": "corolla demo model", "layers_kept": layer_subset(teacher.config.num_hidden_layers, args.layers),
+        "teacher": "corolla demo model", "layers_kept": kept,
+        "continued_from": args.init,
         "steps": step, "minutes": round((time.time() - start) / 60, 2),
         "greedy_agreement_before": round(before[0], 4), "greedy_agreement_after": round(after[0], 4),
         "kl_before": round(before[1], 4), "kl_after": round(after[1], 4),

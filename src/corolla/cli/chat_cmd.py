@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from corolla.cli.generate_cmd import add_client_arguments, load_client, sampling_kwargs
+from corolla.cli.generate_cmd import add_client_arguments, load_assistant, load_client, sampling_kwargs
 
 DEFAULT_SESSION_LENGTH = 2048
 
@@ -27,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     tokenizer, model = load_client(args)
+    assistant = load_assistant(args)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     conversation = ""  # the whole text so far; each turn passes all of it, the session sends only what is new
     try:
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                     print("[the conversation reached --max-length; start a new chat]", file=sys.stderr)
                     break
                 print("model> ", end="", flush=True)
-                out = model.generate(ids, session=session, streamer=streamer,
+                out = model.generate(ids, session=session, streamer=streamer, assistant_model=assistant,
                                      **{**sampling_kwargs(args), "max_new_tokens": min(args.max_new_tokens, room)})
                 sys.stdout.flush()
                 conversation = tokenizer.decode(out[0], skip_special_tokens=True) + "\n"

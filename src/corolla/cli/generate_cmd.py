@@ -20,7 +20,19 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's, else 1.0)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="penalty for repeated tokens (default: 1.0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    add_speculation_arguments(p)
 
+
+def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--assistant-model", default=None, metavar="PATH",
+                   help="speculative decoding: a small local model with the same tokenizer drafts tokens that the swarm "
+                        "verifies several at a time (greedy output is unchanged); 'demo' = the draft shipped for the demo "
+                        "model")
+    p.add_argument("--num-assistant-tokens", type=int, default=None,
+                   help="most tokens the assistant drafts per step (default: its generation_config's, else 20)")
+    p.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+                   help="speculative decoding without a model: draft up to N tokens copied from where the text's last "
+                        "words appeared before (HF's prompt_lookup_num_tokens)")
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text from a prompt through the swarm",
@@ -32,10 +44,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
     kwargs: dict[str, object] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
-    for name in ("temperature", "top_k", "top_p", "repetition_penalty"):
-        if getattr(args, name) is not None:
+    for name in ("temperature", "top_k", "top_p", "repetition_penalty", "num_assistant_tokens"):
+        if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
+    if getattr(args, "prompt_lookup", None) is not None:
+        kwargs["prompt_lookup_num_tokens"] = args.prompt_lookup
     return kwargs
+
+
+def load_assistant(args: argparse.Namespace):
+    """The --assistant-model checkpoint as a float32 local HF model ('demo': the shipped draft), or None."""
+    path = getattr(args, "assistant_model", None)
+    if path is None:
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if path == "demo":
+        from corolla.cli.demo_cmd import demo_draft_path
+
+        path = str(demo_draft_path())
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def load_client(args: argparse.Namespace):
@@ -59,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
         streamer = TextStreamer(tokenizer, skip_special_tokens=True)
-        model.generate(input_ids, streamer=streamer, **sampling_kwargs(args))
+        model.generate(input_ids, streamer=streamer, assistant_model=load_assistant(args), **sampling_kwargs(args))
         sys.stdout.flush()
     finally:
         model.shutdown()

@@ -8,7 +8,10 @@ call returns its own input ids followed by the new tokens, as HF and Petals do. 
 continues the session and returns only the new tokens.
 
 Greedy decoding and sampling run here (same processors, same random draws in the same order as HF's `_sample`,
-so a seeded run samples the same tokens); beam search is in `corolla.client.beam_search`. A padded batch
+so a seeded run samples the same tokens); beam search is in `corolla.client.beam_search`. With
+`prompt_lookup_num_tokens=k` or `assistant_model=` (HF's names), decoding is speculative (client.speculative): each
+session step sends the last token and a draft of up to k tokens (one round trip for k + 1 positions), keeps what the
+target agrees with and rolls the session back over the rest; greedy output is the same token for token. A padded batch
 (`attention_mask` with zeros, left padding as HF expects for decoder-only models) sends its mask to the servers,
 which skip the padded slots: each row gets exactly the tokens it would get alone.
 
@@ -26,11 +29,14 @@ from transformers import GenerationConfig, PretrainedConfig
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
+from corolla.client.assistant_drafter import AssistantDrafter
 from corolla.client.beam_search import BeamSettings, beam_search
 from corolla.client import generation_settings as settings
-from corolla.client.generation_settings import as_list, check_modes, lengths, merge_config
+from corolla.client.generation_settings import Speculation, as_list, check_modes, lengths, merge_config
 from corolla.client.inference_session import InferenceSession
+from corolla.client.prompt_lookup import PromptLookupDrafter
 from corolla.client.session_state import UNKNOWN
+from corolla.client.speculative import Drafter, speculative_decode
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +86,7 @@ def generate(
     tokenizer: Any = None,
     logits_processor: list[LogitsProcessor] | None = None,
     stopping_criteria: list[StoppingCriteria] | None = None,
+    assistant_model: torch.nn.Module | None = None,
     **kwargs: Any,
 ) -> torch.LongTensor:
     """Generate token ids like `transformers` `generate`: greedy, sampling or beam search.
@@ -88,13 +95,18 @@ def generate(
     top_p, typical_p, min_p, repetition_penalty, num_beams, length_penalty, early_stopping, num_return_sequences,
     eos_token_id, pad_token_id, stop_strings (with `tokenizer`), a `streamer` (put/end), a `generation_config`,
     an `attention_mask` (left-padded batches), `inputs_embeds` (B, m, H) instead of (or beside) input_ids,
-    `logits_processor` / `stopping_criteria` lists merged into HF's own as HF merges them.
+    `logits_processor` / `stopping_criteria` lists merged into HF's own as HF merges them; speculative decoding with
+    prompt_lookup_num_tokens (and max_matching_ngram_size) or an `assistant_model` (a local HF causal LM with the
+    same vocabulary; num_assistant_tokens, num_assistant_tokens_schedule, assistant_confidence_threshold).
     Returns (rows, m + new) token ids: this call's input ids, then the generated tokens (rows that finished early
     are padded with pad_token_id); with inputs_embeds alone, only the generated tokens. Raises ValueError for a
     session too short for the request (before anything is sent) or bad shapes, TypeError for unsupported arguments.
     """
     config, default_max_length = merge_config(model.generation_config, generation_config, kwargs)
     check_modes(config, streamer, tokenizer)
+    speculation = settings.speculation(config, getattr(assistant_model, "generation_config", None), assistant_model is not None)
+    if assistant_model is not None:
+        _check_assistant(model, assistant_model)
     expand = max(config.num_beams, config.num_return_sequences)
     eos = as_list(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
@@ -114,6 +126,8 @@ def generate(
         context_len += reading.call_start
         hidden_len += int((session.token_ids[0, : reading.call_start] == UNKNOWN).sum())
     prompt_len = context_len - hidden_len  # the tokens the processors and criteria see
+    if assistant_model is not None and hidden_len:
+        raise ValueError("assistant_model needs the token ids of the whole context: it cannot draft after inputs_embeds")
     limits = lengths(config, default_max_length, prompt_len, hidden_len, getattr(model.config, "max_position_embeddings", None))
     new_tokens = max(limits.max_length - prompt_len, 0)
     positions = context_len + max(new_tokens - 1, 0)  # the last generated token is not sent
@@ -149,6 +163,17 @@ def generate(
             session.reorder(result.hypo_ids)  # the servers apply it with the session's next step, if any
             session.append_tokens(result.running[:, -1:])  # the last token, not sent yet
             return _with_call_ids(call.returned, result.sequences[:, prompt_len:])
+        if speculation is not None:
+            verifier = _SessionVerifier(model, session, call, reading.call_start, prompt_len)
+            drafter = _drafter(speculation, assistant_model, processors, eos, config, model.config)
+            sequence = speculative_decode(verifier, drafter, sequence, mask, do_sample=bool(config.do_sample),
+                                          processors=processors, criteria=criteria, max_length=limits.max_length,
+                                          pad=pad, has_eos=bool(eos), streamer=streamer)
+            verifier.finish(sequence)
+            if isinstance(drafter, AssistantDrafter) and speculation.schedule == "heuristic" and \
+                    getattr(assistant_model, "generation_config", None) is not None:
+                assistant_model.generation_config.num_assistant_tokens = drafter.num_tokens  # kept, as HF keeps it
+            return _with_call_ids(call.returned, sequence[:, prompt_len:])
         sequence = _sample_or_greedy(logits_fn, sequence, config, processors, criteria, pad, bool(eos), streamer)
         session.append_tokens(sequence[:, -1:])  # the last token, not sent yet
         return _with_call_ids(call.returned, sequence[:, prompt_len:])
@@ -207,13 +232,77 @@ def _session_logits(model: GenerationModel, session: InferenceSession, call: _Ca
     return logits_fn
 
 
+class _SessionVerifier:
+    """Runs drafts through the session (speculative.Verifier): one step sends the tokens the servers lack (the last
+    accepted one, or the whole prompt at first) and the draft; `settle` rolls the session back over the draft tokens
+    the sequence did not keep, so the next step overwrites them on the servers.
+
+    Between steps the session holds every token of the sequence, all but the last sent (as after plain decoding)."""
+
+    def __init__(self, model: GenerationModel, session: InferenceSession, call: _Call, call_start: int, prompt_len: int):
+        self.model, self.session, self.call, self.call_start = model, session, call, call_start
+        self.seen = prompt_len  # columns of the sequence the session holds (sent, or pending)
+        self.draft = torch.empty(session.batch_size, 0, dtype=torch.long)  # the last step's draft, all sent
+
+    def verify(self, sequence: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+        """Target logits (rows, k + 1, vocab) float32 after sequence (rows, s) + draft[:, :i] for i = 0..k."""
+        self.session.append_tokens(sequence[:, self.seen :])
+        self.seen = sequence.shape[1]
+        if draft.shape[1]:
+            self.session.append_tokens(draft)
+        self.draft = draft
+        ids, mask = self.session.pending_tokens()
+        hidden = self.session.feed(_embed_pending(self.model, self.session, ids, self.call, self.call_start), mask)
+        return self.model.lm_logits(hidden[:, -(draft.shape[1] + 1) :]).float()  # (rows, k + 1, vocab)
+
+    def settle(self, sequence: torch.Tensor) -> None:
+        """Keep the sent draft tokens that `sequence` holds next (all but its last token), forget the others."""
+        new = sequence[:, self.seen :]  # (rows, m): the tokens appended since the step
+        k = self.draft.shape[1]
+        width = min(k, new.shape[1] - 1)  # the last token stays unsent, as after plain decoding
+        same = (new[:, :width] == self.draft[:, :width]).all(dim=0)  # (width,)
+        kept = int(torch.cumprod(same.to(torch.long), dim=0).sum()) if width > 0 else 0
+        if k > kept:
+            self.session.rollback(self.session.position - (k - kept))
+        self.seen += kept
+        self.draft = self.draft[:, :0]
+
+    def finish(self, sequence: torch.Tensor) -> None:
+        """After the last step: the session holds the sequence, its last token pending (as after plain decoding)."""
+        self.session.append_tokens(sequence[:, self.seen :])
+        self.seen = sequence.shape[1]
+
+
+def _drafter(speculation: Speculation, assistant: torch.nn.Module | None, processors: LogitsProcessorList,
+             eos: list[int], config: GenerationConfig, model_config: PretrainedConfig) -> Drafter:
+    if speculation.prompt_lookup:
+        return PromptLookupDrafter(speculation.num_tokens, speculation.max_ngram, eos, settings.forbidding(processors),
+                                   model_config.vocab_size)
+    assert assistant is not None
+    return AssistantDrafter(assistant, processors, eos, bool(config.do_sample), speculation.num_tokens,
+                            speculation.schedule, speculation.confidence)
+
+
+def _check_assistant(model: GenerationModel, assistant: Any) -> None:
+    """Raise TypeError/ValueError unless `assistant` is a local causal LM over the target's vocabulary."""
+    if not isinstance(assistant, torch.nn.Module) or not hasattr(assistant, "config"):
+        raise TypeError(f"assistant_model must be a local Hugging Face causal LM (e.g. AutoModelForCausalLM), got "
+                        f"{type(assistant).__name__}")
+    ours, theirs = getattr(model.config, "vocab_size", None), getattr(assistant.config, "vocab_size", None)
+    if ours != theirs:
+        raise ValueError(f"assistant_model must share the model's tokenizer: its vocab_size is {theirs}, the model's "
+                         f"{ours} (assistants with another tokenizer are not supported)")
+
+
 def _embed_pending(model: GenerationModel, session: InferenceSession, ids: torch.Tensor, call: _Call,
                    call_start: int) -> torch.Tensor:
     """Embeddings (rows, t, H) of the pending tokens `ids`: the call's inputs_embeds where it gave them, else the
-    token embeddings. Raises ValueError for a pending token known only as hidden states."""
+    token embeddings (also of tokens after the call's, e.g. a draft sent with them). Raises ValueError for a pending
+    token known only as hidden states."""
     first = session.token_ids.shape[1] - ids.shape[1]  # the context column of the first pending token
+    call_end = call_start + call.ids.shape[1]
     with torch.no_grad():
-        if call.embeds is None or first >= call_start + call.ids.shape[1]:
+        if call.embeds is None or first >= call_end:
             if bool((ids == UNKNOWN).any()):
                 raise ValueError("the session's next token is known only as hidden states (stepped without token ids); "
                                  "pass input_ids or inputs_embeds to continue it")
@@ -222,6 +311,9 @@ def _embed_pending(model: GenerationModel, session: InferenceSession, ids: torch
         if first < call_start:
             parts.append(model.embed(input_ids=ids[:, : call_start - first]))
         parts.append(model.embed(inputs_embeds=call.embeds[:, max(first - call_start, 0) :]))
+        after = first + ids.shape[1] - call_end  # pending tokens past the call's
+        if after > 0:
+            parts.append(model.embed(input_ids=ids[:, ids.shape[1] - after :]))
         return torch.cat(parts, dim=1)
 
 

@@ -46,7 +46,27 @@ SUPPORTED = {
     "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "num_beams", "temperature", "top_k",
     "top_p", "typical_p", "min_p", "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "use_cache",
     "length_penalty", "early_stopping", "num_return_sequences", "stop_strings",
+    # speculative decoding (with `assistant_model=` for the assistant's three)
+    "prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold",
 }
+# What HF uses for an assistant whose generation_config does not set them (transformers 5's global defaults).
+ASSISTANT_DEFAULTS: dict[str, Any] = {
+    "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4,
+}
+DEFAULT_NGRAM = 2  # HF's max_matching_ngram_size when unset
+WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How `generate` drafts tokens for the swarm to verify several at a time."""
+
+    prompt_lookup: bool  # True: n-grams of the context (prompt_lookup_num_tokens); False: the assistant model drafts
+    num_tokens: int  # draft tokens per step at most (prompt_lookup_num_tokens / num_assistant_tokens)
+    max_ngram: int = DEFAULT_NGRAM  # prompt lookup: the longest n-gram matched (max_matching_ngram_size)
+    schedule: str = "constant"  # assistant: num_assistant_tokens_schedule (constant, heuristic, heuristic_transient)
+    confidence: float = 0.4  # assistant: a row's draft ends after a token below this probability (0: never)
 
 
 @dataclass(frozen=True)
@@ -113,6 +133,50 @@ def check_modes(config: GenerationConfig, streamer: Any, tokenizer: Any) -> None
         raise ValueError("stop_strings needs the model's tokenizer: pass tokenizer=... to generate")
     if config.early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {config.early_stopping!r}")
+
+
+def speculation(config: GenerationConfig, assistant_config: GenerationConfig | None, has_assistant: bool
+                ) -> Speculation | None:
+    """The speculative decoding `config` asks for (None: plain decoding). The assistant's settings come from `config`
+    when set there (generate's arguments, the target's generation config), else from the assistant's own generation
+    config `assistant_config` (where HF reads them), else HF's defaults. Raises ValueError for beam search, for both
+    kinds at once, and for out-of-range values."""
+    lookup = config.prompt_lookup_num_tokens
+    if lookup is None and not has_assistant:
+        return None
+    if config.num_beams > 1:
+        raise ValueError("speculative decoding (prompt_lookup_num_tokens / assistant_model) does not support beam search: "
+                         "use num_beams=1")
+    if lookup is not None and has_assistant:
+        raise ValueError("pass either prompt_lookup_num_tokens or assistant_model, not both")
+    if lookup is not None:
+        ngram = config.max_matching_ngram_size or DEFAULT_NGRAM
+        if not isinstance(lookup, int) or lookup < 1 or not isinstance(ngram, int) or ngram < 1:
+            raise ValueError(f"prompt_lookup_num_tokens and max_matching_ngram_size must be integers >= 1, got {lookup!r} "
+                             f"and {ngram!r}")
+        return Speculation(prompt_lookup=True, num_tokens=lookup, max_ngram=ngram)
+
+    def setting(name: str) -> Any:
+        for source in (config, assistant_config):
+            value = getattr(source, name, None) if source is not None else None
+            if value is not None:
+                return value
+        return ASSISTANT_DEFAULTS[name]
+
+    num, schedule = setting("num_assistant_tokens"), setting("num_assistant_tokens_schedule")
+    confidence = setting("assistant_confidence_threshold")
+    if not isinstance(num, int) or num < 1:
+        raise ValueError(f"num_assistant_tokens must be an integer >= 1, got {num!r}")
+    if schedule not in ("constant", "heuristic", "heuristic_transient"):
+        raise ValueError(f"num_assistant_tokens_schedule must be constant, heuristic or heuristic_transient, got {schedule!r}")
+    if not 0.0 <= float(confidence) <= 1.0:
+        raise ValueError(f"assistant_confidence_threshold must be within [0, 1], got {confidence!r}")
+    return Speculation(prompt_lookup=False, num_tokens=num, schedule=schedule, confidence=float(confidence))
+
+
+def forbidding(processors: LogitsProcessorList) -> LogitsProcessorList:
+    """The processors that can forbid a token whatever its logit (all but the sampling warpers, which reshape)."""
+    return LogitsProcessorList([p for p in processors if not isinstance(p, WARPERS)])
 
 
 def logits_processors(config: GenerationConfig, prompt_len: int, eos: list[int], mask: torch.Tensor | None,

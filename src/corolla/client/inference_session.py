@@ -114,6 +114,7 @@ class InferenceSession:
     prompts: before each block the servers add that block's prompt to positions [0, P).
     `take_call` reads a `generate` call's ids against the tokens held (the rule is in client.session_state).
     `step`, `feed` and `close` have `_async` twins for code on the client's event loop (client.event_loop).
+    `steps` counts the steps sent so far: one trip through the servers' chain each (what speculative decoding saves).
     """
 
     def __init__(self, manager: SequenceManager, max_length: int, batch_size: int = 1, *, start: int = 0, end: int | None = None,
@@ -140,6 +141,7 @@ class InferenceSession:
         self._state = SessionState(batch_size, 0 if prefix is None else prefix.shape[0])
         self._spans: list[_SpanSession] | None = None
         self.closed = False
+        self.steps = 0  # steps that reached the servers: round trips through the chain (failover replays not counted)
 
     # ------------------------------------------------------------------ what the session holds
     @property
@@ -238,6 +240,7 @@ class InferenceSession:
         mask = self._state.step_mask(hidden.shape[1], attention_mask)
         output = await self._step(hidden, mask, self._state.hypo_ids)
         self._state.advance(hidden.shape[1], attention_mask)
+        self.steps += 1
         return output
 
     def feed(self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
