@@ -79,6 +79,8 @@ class SwarmWatch:
             for peer in sorted(self.seen, key=self.seen.get)[: len(self.seen) - MAX_SEEN_PEERS]:
                 del self.seen[peer]
         if peers:
+            if self._isolated_since is not None:  # back through another path (an announce, a peer that dialed us)
+                await self._rejoined(len(peers))
             await self._ping_missing_initial_peers(set(peers))
             return True
         if not self.node.initial_peers:
@@ -102,8 +104,13 @@ class SwarmWatch:
             log = logger.info if self._failed_attempts & (self._failed_attempts - 1) == 0 else logger.debug  # 1, 2, 4...
             log("rejoin attempt %d: none of %d peer(s) answered; retrying", self._failed_attempts, len(targets))
             return False
-        self._failed_attempts = 0
         await dht.find_nearest_nodes([dht.node_id])
+        await self._rejoined(answered)
+        return True
+
+    async def _rejoined(self, answered: int) -> None:
+        """The node is in contact again: log it and run the on_rejoined callbacks."""
+        self._failed_attempts = 0
         outage = time.monotonic() - self._isolated_since if self._isolated_since is not None else 0.0
         self._isolated_since = None
         self.rejoins += 1
@@ -113,7 +120,6 @@ class SwarmWatch:
                 await callback()
             except Exception as e:
                 logger.warning("after rejoining: %s", e)
-        return True
 
     async def _ping_missing_initial_peers(self, present: set[str]) -> None:
         missing = [(m, p) for m, p in self.node.initial_peer_ids.items() if p not in present and p != self.node.peer_id]
