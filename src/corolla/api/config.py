@@ -48,6 +48,11 @@ class ApiConfig:
     max_streams: int = field(
         default=256, metadata=_opt("most streams generating at once (n choices count each); more requests wait")
     )
+    pipeline_groups: int = field(
+        default=2,
+        metadata=_opt("streams are split into this many groups that step in turn, so that while one group's step "
+                      "runs on the later servers of the route the next group's runs on the first ones; 1 = one batch"),
+    )
     max_n: int = field(default=16, metadata=_opt("largest `n` (choices per prompt) a request may ask for"))
     request_timeout: float = field(default=60.0, metadata=_opt("seconds one step through the swarm may take"))
     alloc_timeout: float = field(
@@ -59,7 +64,7 @@ class ApiConfig:
         for name in ("session_headroom", "max_idle_sessions", "min_reuse_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-        for name in ("max_streams", "max_n"):
+        for name in ("max_streams", "max_n", "pipeline_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_length is not None and self.max_length < 2:

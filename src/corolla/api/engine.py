@@ -12,9 +12,13 @@ keeps serving the P2P streams meanwhile.
     StreamHandle.next() <── events ───────  post events; step each session (tasks) <──
     cancel() ─── call_soon_threadsafe ──>   _cancel: close the session at once
 
-Before a head pass, the engine waits for the decode steps still in flight, but only until they are overdue
-(3x the usual step time after their launch): streams that drifted apart (a prefill that finished in between)
-fall back into one batch within a step, while one slow stream (failover) does not hold back the others.
+Streams are split into `pipeline_groups` groups (a new stream joins the smallest), and each group has its own
+head pass: while one group's step runs on the second server of the route, the next group's runs on the first, so
+the servers of a route work at the same time instead of in turn (on the 8-layer bench model with 2 servers and 16
+streams this took aggregate decode from 25.9 to ... tokens/s). Before a group's head pass, the engine waits for its
+decode steps still in flight, but only until they are overdue (3x the usual step time after their launch):
+streams that drifted apart (a prefill that finished in between) fall back into one batch within a step, while one
+slow stream (failover) does not hold back the others.
 Prefills run beside the decode steps and join the next batch. Finished sessions are kept (sessions.IdleSessions) so a follow-up prompt sends only its new tokens; when a
 server is too full to open a session, kept sessions are given up first, oldest first.
 """
@@ -59,6 +63,7 @@ class _Active:
     task: asyncio.Task[None] | None = None  # the prefill or decode step in flight
     decoding: bool = False  # task is a decode step (prefills are not waited for)
     launched: float = 0.0  # when the decode step in flight was launched (monotonic seconds)
+    group: int = 0  # pipeline group: the streams of a group share head passes
     done: bool = False
 
 
@@ -135,6 +140,10 @@ class BatchedEngine:
         elif len(self._active) >= self.config.max_streams:
             self._waiting.append(active)
         else:
+            sizes = [0] * self.config.pipeline_groups
+            for other in self._active.values():
+                sizes[other.group] += 1
+            active.group = sizes.index(min(sizes))
             self._active[active.handle] = active
             self.metrics.active_streams.set(len(self._active))
             active.task = self._loop.create_task(self._prefill(active))
@@ -307,8 +316,9 @@ class BatchedEngine:
                 await self._sleep()
                 self._expire_idle()
                 continue
-            await self._gather()
-            ready = [a for a in self._active.values() if a.hidden is not None]
+            group = self._next_group()
+            await self._gather(group)
+            ready = [a for a in self._active.values() if a.hidden is not None and a.group == group]
             if not ready:  # cancelled meanwhile
                 continue
             hidden = torch.stack([a.hidden for a in ready])  # (R, H)
@@ -341,14 +351,21 @@ class BatchedEngine:
         except asyncio.TimeoutError:
             pass
 
-    async def _gather(self) -> None:
-        """Wait for the decode steps in flight that are not overdue, so they join this head pass."""
+    def _next_group(self) -> int:
+        """The group to run a head pass for: of those with a stream ready, the one whose ready stream has waited
+        longest (its step came back first)."""
+        ready = [a for a in self._active.values() if a.hidden is not None]
+        return min(ready, key=lambda a: a.launched).group
+
+    async def _gather(self, group: int) -> None:
+        """Wait for the group's decode steps in flight that are not overdue, so they join this head pass."""
         if self._step_time is None:
             return
         now = time.monotonic()
         patience = max(OVERDUE * self._step_time, MIN_PATIENCE)
         pending = {a.task: a.launched for a in self._active.values()
-                   if a.decoding and a.task is not None and not a.task.done() and now - a.launched < patience}
+                   if a.group == group and a.decoding and a.task is not None and not a.task.done()
+                   and now - a.launched < patience}
         if pending:
             deadline = max(pending.values()) + patience
             await asyncio.wait(pending, timeout=min(max(deadline - now, 0.0), MAX_GATHER_WAIT))
