@@ -4,7 +4,10 @@ quantization raise no alarm."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -58,14 +61,15 @@ class ArmAt:
         pass
 
 
-def generate(swarm: NamedSwarm, streamer=None, **config) -> tuple[torch.Tensor, dict, list[str]]:
+def generate(swarm: NamedSwarm, streamer=None, **config) -> tuple[torch.Tensor, dict, list[str], list[int]]:
     model = AutoDistributedModelForCausalLM.from_pretrained(
         swarm.model_path, initial_peers=swarm.peers, client_config=ClientConfig(**config))
     try:
         with model.inference_session(max_length=64) as session:
             out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, streamer=streamer)
             peers = [s.span.peer_id for s in session._spans]
-        return out, model.reputation(), peers
+            rewinds = session.checks.rewinds
+        return out, model.reputation(), peers, rewinds
     finally:
         model.shutdown()
 
@@ -73,20 +77,28 @@ def generate(swarm: NamedSwarm, streamer=None, **config) -> tuple[torch.Tensor, 
 def test_corrupt_server_is_banned_and_output_equals_hf_greedy(start_swarm, expected):
     swarm = start_swarm(head=("0:2", []), corrupt=("2:4", [*PREFERRED, "--inject-fault", "corrupt"]),
                         honest=("2:4", BACKUP), third=("2:4", BACKUP))
-    out, reputation, peers = generate(swarm, ArmAt(3, swarm.procs["corrupt"]), verify_rate=0.1, verify_seed=3)
+    out, reputation, peers, rewinds = generate(swarm, ArmAt(3, swarm.procs["corrupt"]), verify_rate=0.1, verify_seed=3)
     assert torch.equal(out, expected)
+    assert rewinds == [0]  # the corrupt server served the session from its first position
     corrupt = swarm.peer_ids["corrupt"]
     assert reputation[corrupt]["distrusted"] and reputation[corrupt]["failed"] >= 1
     assert corrupt not in peers
     assert not any(rec["distrusted"] for peer, rec in reputation.items() if peer != corrupt)
+    status = subprocess.run(  # the record the client left under COROLLA_CACHE, in `corolla status`
+        [sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", *swarm.peers, "--model", swarm.model_path],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=os.environ)
+    assert status.returncode == 0, status.stderr
+    line = next(line for line in status.stdout.splitlines() if corrupt in line)
+    assert f"checks {reputation[corrupt]['passed']}/{reputation[corrupt]['failed']}  DISTRUSTED" in line
 
 
 def test_lying_checker_is_banned_by_the_tie_breaker_and_the_session_keeps_its_server(start_swarm, expected):
     swarm = start_swarm(head=("0:2", []), main=("2:4", PREFERRED),
                         liar=("2:4", [*BACKUP, "--inject-fault", "corrupt"]), third=("2:4", BACKUP))
     swarm.procs["liar"].popen.send_signal(signal.SIGUSR1)
-    out, reputation, peers = generate(swarm, verify_rate=1.0, verify_seed=0)
+    out, reputation, peers, rewinds = generate(swarm, verify_rate=1.0, verify_seed=0)
     assert torch.equal(out, expected)
+    assert rewinds == []
     liar, main = swarm.peer_ids["liar"], swarm.peer_ids["main"]
     assert reputation[liar]["distrusted"]
     assert not reputation[main]["distrusted"] and reputation[main]["failed"] == 0
@@ -96,6 +108,7 @@ def test_lying_checker_is_banned_by_the_tie_breaker_and_the_session_keeps_its_se
 def test_honest_servers_of_mixed_dtype_and_quantization_raise_no_alarm(start_swarm):
     swarm = start_swarm(a=("0:2", []), b=("0:2", ["--dtype", "bfloat16"]), c=("2:4", []),
                         d=("2:4", ["--quant", "int8"]), e=("2:4", ["--quant", "nf4"]))
-    _, reputation, _ = generate(swarm, verify_rate=1.0, verify_seed=0)
+    _, reputation, _, rewinds = generate(swarm, verify_rate=1.0, verify_seed=0)
     assert reputation and sum(rec["passed"] for rec in reputation.values()) >= 10
     assert all(rec["failed"] == 0 and not rec["distrusted"] for rec in reputation.values()), reputation
+    assert rewinds == []

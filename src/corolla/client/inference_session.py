@@ -349,6 +349,7 @@ class InferenceSession:
         self.rollback(position)
         if self.checks is not None:
             self.checks.rewind = None
+            self.checks.rewinds.append(position)
 
     async def _open_chain(self, start: int, end: int, history: torch.Tensor | None) -> list[_SpanSession]:
         """Open sessions on a fresh route over [start, end) and replay `history` (inputs at block `start`) into them.

@@ -35,7 +35,8 @@ from torch import Tensor
 from corolla.client.remote_autograd import RemoteBlocks
 from corolla.client.reputation import Reputation
 from corolla.client.routing import Span
-from corolla.client.verification import Rewind, checker_rank, decide, pair_tolerance, relative_error, rewind_position
+from corolla.client.verification import (Rewind, checker_rank, decide, pair_tolerance, relative_error, rewind_position,
+                                         sequence_rewind)
 from corolla.protocol.errors import PeerUnavailable, RemoteError
 from corolla.protocol.messages import ServerInfo, ServerState
 
@@ -98,6 +99,7 @@ class SessionChecks:
         self.rewind: Rewind | None = None  # set on the event loop; read by generate between steps
         self.seen_peers: set[int] = set()  # ids of span sessions whose first step was considered
         self.replaced: set[str] = set()  # liars this session already routed around and rewound for
+        self.rewinds: list[int] = []  # the positions this session was rewound to, in order
 
     # ------------------------------------------------------------------ on the event loop, after each span's step
     def after_step(self, span_session, position: int, output: Tensor, prompts: Tensor | None) -> None:
@@ -205,8 +207,7 @@ def generation_rewinder(session, prompt_len: int, seen: list[int]) -> Callable[[
         logger.warning("rewinding the session to position %d: peer %s returned wrong outputs from there", position,
                        found.peer_id)
         run_sync(session.replace_distrusted(position))
-        held = session.token_ids.shape[1]  # the tokens of positions [prefix, position)
-        seen[0] = held
-        return min(max(held + 1, prompt_len), sequence.shape[1])
+        seen[0] = session.token_ids.shape[1]  # the tokens of positions [prefix, position)
+        return sequence_rewind(position, session.prefix_length, prompt_len, sequence.shape[1])
 
     return rewind
