@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+SAVE_PERIOD = 10.0  # seconds between writes of the reputation file while checks pass
+
 
 class ClientChecks:
     """What every session of one client shares: the reputation record and the random draws (ClientConfig.verify_seed)."""
@@ -58,6 +61,14 @@ class ClientChecks:
         self.reputation = Reputation(persist=manager.config.verify_rate > 0)
         self.checks_started = 0  # checks sent to a checker
         self.unchecked = 0  # checks drawn but skipped: no other server holds the span whole
+        self._saved_at = 0.0
+
+    def save(self, now: bool = False) -> None:
+        """Write the reputation file: at once after a failure (`now`), else at most every SAVE_PERIOD seconds
+        (a passed check is common and the file is only a record)."""
+        if now or time.monotonic() - self._saved_at >= SAVE_PERIOD:
+            self._saved_at = time.monotonic()
+            self.reputation.save()
 
     def distrust(self, peer_id: str, reason: str) -> None:
         if peer_id not in self.manager.distrusted:
@@ -125,8 +136,10 @@ class SessionChecks:
             await asyncio.wait(set(self.tasks), timeout=timeout)
 
     def cancel(self) -> None:
+        """The session closes: checks in flight are dropped, and the record written."""
         for task in list(self.tasks):
             task.cancel()
+        self.client.save(now=True)
 
     # ------------------------------------------------------------------ one check
     async def _check(self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int) -> None:
@@ -152,7 +165,7 @@ class SessionChecks:
         if err <= tol:
             client.reputation.passed(suspect)
             client.reputation.passed(checker)
-            client.reputation.save()
+            client.save()
             logger.debug("spot check %s vs %s on %d:%d: %.2e <= %.2e", suspect[-6:], checker[-6:], span.start, span.end, err, tol)
             return
         logger.warning("spot check mismatch on blocks %d:%d: peer=%s vs checker=%s relative error %.3e > %.1e",
@@ -181,7 +194,7 @@ class SessionChecks:
         if verdict in ("ban_checker", "ban_both"):
             client.reputation.failed(checker, distrust=True)
             client.distrust(checker, f"its outputs of blocks {span.start}:{span.end} disagree with two other servers")
-        client.reputation.save()
+        client.save(now=True)
 
 
 def generation_rewinder(session, prompt_len: int, seen: list[int]) -> Callable[[Tensor, bool], int | None]:
