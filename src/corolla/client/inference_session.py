@@ -348,7 +348,9 @@ class InferenceSession:
                 index += len(replacement)
         self.rollback(position)
         if self.checks is not None:
-            self.checks.rewind = None
+            rewind = self.checks.rewind  # a check that found another liar meanwhile keeps its rewind for the next call
+            if rewind is not None and rewind.peer_id in self.checks.replaced:
+                self.checks.rewind = None
             self.checks.rewinds.append(position)
 
     async def _open_chain(self, start: int, end: int, history: torch.Tensor | None) -> list[_SpanSession]:
