@@ -7,7 +7,10 @@ A local swarm (loopback) of a random-weight Llama (hidden 256, 4 blocks) with ev
    in 0, 0.05, 0.1, 0.25 (interleaved, --runs times each, a fresh client per run), a session generates
    --new-tokens greedy tokens after a 16-token prompt; tokens/s = new tokens / wall time of `generate` (checks
    waited for at the end included). Medians and the slowdown against rate 0. Every check in these runs is between
-   honest servers, so their failed checks are the false positives.
+   honest servers, so their failed checks are the false positives. The machine may be shared: each round runs every
+   rate once (in rotating order), `slowdown_paired_median` compares each run with its own round's rate-0 run, and
+   `cpu_ms_per_token` counts the CPU time of every process of the swarm and the client (the checkers' work
+   included), which other load does not change.
 2. Detection: `bad` is armed (SIGUSR1) and `tail` stopped, so sessions route through `bad` (tail2 is slower). 20 seeded
    runs at verify_rate 0.1, each a fresh client told that every server passed a check before (as if `bad` turned
    bad after its first check: otherwise the first-step check catches it at step 1 every time). Per run: the step
@@ -71,8 +74,25 @@ class Watch:
             self.step, self.at = self.seen, time.perf_counter() - self.start
 
 
+def cpu_seconds(pgids: set[int]) -> float:
+    """User + system CPU seconds of every live process in these process groups (servers, their p2pd, the client)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids:  # fields after the name: state, ppid, pgrp, ..., utime (12), stime (13)
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def run_once(path: str, peers: list[str], rate: float, seed: int, new_tokens: int, watch_peer: str | None = None,
-             trust: list[str] = ()) -> dict:
+             trust: list[str] = (), pgids: set[int] = frozenset()) -> dict:
     model = AutoDistributedModelForCausalLM.from_pretrained(
         path, initial_peers=peers, client_config=ClientConfig(verify_rate=rate, verify_seed=seed))
     try:
@@ -84,12 +104,14 @@ def run_once(path: str, peers: list[str], rate: float, seed: int, new_tokens: in
                 model.generate(PROMPT[:, :2], max_new_tokens=1, session=session)
                 session.rollback(0)
             watch = Watch(model.transformer.manager, watch_peer) if watch_peer else None
-            begin = time.perf_counter()
+            begin, cpu = time.perf_counter(), cpu_seconds(pgids)
             out = model.generate(PROMPT, max_new_tokens=new_tokens, session=session, streamer=watch)
             elapsed = time.perf_counter() - begin
+            cpu = cpu_seconds(pgids) - cpu
             rewinds = list(session.checks.rewinds) if session.checks is not None else []
         record = {peer: dict(rec) for peer, rec in model.reputation().items()}
-        return {"out": out, "seconds": elapsed, "tokens_per_s": new_tokens / elapsed, "reputation": record,
+        return {"out": out, "seconds": elapsed, "tokens_per_s": new_tokens / elapsed, "cpu_ms_per_token": 1000 * cpu / new_tokens,
+                "reputation": record,
                 "checks": checks.checks_started, "rewinds": rewinds,
                 "step": None if watch is None else watch.step, "detect_s": None if watch is None else watch.at}
     finally:
@@ -98,7 +120,7 @@ def run_once(path: str, peers: list[str], rate: float, seed: int, new_tokens: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--detection-runs", type=int, default=20)
     args = parser.parse_args()
@@ -123,17 +145,26 @@ def main() -> None:
             ids = {name: peer_id(proc.tail(200)) for name, proc in procs.items()}
             log(f"swarm up: {ids}")
 
+            pgids = {os.getpgrp(), *(os.getpgid(proc.popen.pid) for proc in procs.values())}
             speed: dict[float, list[float]] = {rate: [] for rate in RATES}
+            cpu: dict[float, list[float]] = {rate: [] for rate in RATES}
+            ratio: dict[float, list[float]] = {rate: [] for rate in RATES}
             honest_checks = honest_failed = 0
             exact = True
             for run in range(args.runs):
-                for rate in RATES:
-                    result = run_once(str(path), peers, rate, seed=run, new_tokens=args.new_tokens)
+                order = RATES[run % len(RATES):] + RATES[: run % len(RATES)]  # rotate: no rate always runs first
+                results = {}
+                for rate in order:
+                    results[rate] = result = run_once(str(path), peers, rate, seed=run, new_tokens=args.new_tokens, pgids=pgids)
                     speed[rate].append(result["tokens_per_s"])
+                    cpu[rate].append(result["cpu_ms_per_token"])
                     honest_checks += result["checks"]
                     honest_failed += sum(rec["failed"] for rec in result["reputation"].values())
                     exact &= bool(torch.equal(result["out"], expected))
-                    log(f"run {run} rate {rate}: {result['tokens_per_s']:.1f} tok/s, {result['checks']} checks")
+                    log(f"run {run} rate {rate}: {result['tokens_per_s']:.1f} tok/s, {result['cpu_ms_per_token']:.1f} "
+                        f"CPU ms/token, {result['checks']} checks")
+                for rate in RATES:  # the same round's rate-0 run as the baseline: drifts in the machine's load cancel
+                    ratio[rate].append(results[rate]["tokens_per_s"] / results[0.0]["tokens_per_s"])
 
             # detection: `bad` armed and preferred
             local.kill(procs["tail"], signal.SIGTERM)  # now `bad` is the fastest server of 2:4, tail2 its checker
@@ -155,6 +186,8 @@ def main() -> None:
         "new_tokens": args.new_tokens, "runs_per_rate": args.runs,
         "tokens_per_s_median": {str(rate): round(statistics.median(v), 2) for rate, v in speed.items()},
         "slowdown_vs_rate_0": {str(rate): round(1 - statistics.median(v) / base, 4) for rate, v in speed.items()},
+        "slowdown_paired_median": {str(rate): round(1 - statistics.median(v), 4) for rate, v in ratio.items()},
+        "cpu_ms_per_token_median": {str(rate): round(statistics.median(v), 2) for rate, v in cpu.items()},
         "tokens_per_s_runs": {str(rate): [round(x, 2) for x in v] for rate, v in speed.items()},
         "honest": {"checks": honest_checks, "false_positives": honest_failed, "outputs_equal_hf": exact},
         "detection_at_rate_0.1": {
