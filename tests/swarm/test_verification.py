@@ -112,3 +112,16 @@ def test_honest_servers_of_mixed_dtype_and_quantization_raise_no_alarm(start_swa
     assert reputation and sum(rec["passed"] for rec in reputation.values()) >= 10
     assert all(rec["failed"] == 0 and not rec["distrusted"] for rec in reputation.values()), reputation
     assert rewinds == []
+
+
+def test_without_a_tie_breaker_the_server_in_use_is_banned_on_its_first_checked_step(start_swarm, expected):
+    swarm = start_swarm(head=("0:2", []), corrupt=("2:4", [*PREFERRED, "--inject-fault", "corrupt"]),
+                        honest=("2:4", BACKUP))
+    swarm.procs["corrupt"].popen.send_signal(signal.SIGUSR1)
+    # rate 0.01: only the first step of a never-checked server is sure to be checked
+    out, reputation, peers, rewinds = generate(swarm, verify_rate=0.01, verify_seed=0)
+    assert torch.equal(out, expected)
+    corrupt = swarm.peer_ids["corrupt"]
+    assert reputation[corrupt]["distrusted"] and rewinds == [0]
+    assert peers == [swarm.peer_ids["head"], swarm.peer_ids["honest"]]
+    assert not reputation[swarm.peer_ids["honest"]]["distrusted"]

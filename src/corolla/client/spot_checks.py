@@ -108,7 +108,7 @@ class SessionChecks:
         self.client = client
         self.tasks: set[asyncio.Task[None]] = set()
         self.rewind: Rewind | None = None  # set on the event loop; read by generate between steps
-        self.seen_peers: set[int] = set()  # ids of span sessions whose first step was considered
+        self.seen_spans: set[int] = set()  # ids of span sessions whose first step was considered
         self.replaced: set[str] = set()  # liars this session already routed around and rewound for
         self.rewinds: list[int] = []  # the positions this session was rewound to, in order
 
@@ -117,8 +117,8 @@ class SessionChecks:
         """Maybe start a check of `span_session`'s answer `output` (B, T, H) to the step at `position` (its input
         is the last T positions of span_session.history). Never blocks and never raises."""
         span: Span = span_session.span
-        first = id(span_session) not in self.seen_peers
-        self.seen_peers.add(id(span_session))
+        first = id(span_session) not in self.seen_spans
+        self.seen_spans.add(id(span_session))
         must = first and not self.client.reputation.checked(span.peer_id)
         if not must and self.client.rng.random() >= self.client.rate:
             return
@@ -126,7 +126,7 @@ class SessionChecks:
         if history is None or history.shape[1] != position + output.shape[1]:
             return
         task = asyncio.get_running_loop().create_task(
-            self._check(span, history, output.detach(), prompts, span_session.first_output))
+            self._guarded(span, history, output.detach(), prompts, span_session.first_output))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -142,6 +142,15 @@ class SessionChecks:
         self.client.save(now=True)
 
     # ------------------------------------------------------------------ one check
+    async def _guarded(self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int) -> None:
+        """`_check`, whose unexpected errors are logged: a check must never break the session it watches."""
+        try:
+            await self._check(span, inputs, output, prompts, first_output)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("spot check of %s on blocks %d:%d failed unexpectedly", span.peer_id, span.start, span.end)
+
     async def _check(self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int) -> None:
         client = self.client
         suspect = span.peer_id
