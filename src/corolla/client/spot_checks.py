@@ -1,7 +1,7 @@
 """Spot checks of a session's servers, off the critical path (ClientConfig.verify_rate).
 
-After a span answers a step, with probability verify_rate (and always on the first step of a span session whose
-server this client never checked), a background task on the client's event loop sends the span's kept inputs from
+After a span answers a step, with probability verify_rate (and always while its server was never checked by this
+client: every step until one check of it completes, one such check at a time), a background task on the client's event loop sends the span's kept inputs from
 position 0 through the step (the history InferenceSession keeps for failover) to a *different* server holding all
 of the span's blocks, by the cache-less rpc_forward, and compares its outputs at the step's positions with what the
 session received (client.verification has the measure, the tolerances and the decisions):
@@ -108,7 +108,7 @@ class SessionChecks:
         self.client = client
         self.tasks: set[asyncio.Task[None]] = set()
         self.rewind: Rewind | None = None  # set on the event loop; read by generate between steps
-        self.seen_spans: set[int] = set()  # ids of span sessions whose first step was considered
+        self.first_checks: set[str] = set()  # never-checked peers with a check in flight
         self.replaced: set[str] = set()  # liars this session already routed around and rewound for
         self.rewinds: list[int] = []  # the positions this session was rewound to, in order
 
@@ -117,14 +117,16 @@ class SessionChecks:
         """Maybe start a check of `span_session`'s answer `output` (B, T, H) to the step at `position` (its input
         is the last T positions of span_session.history). Never blocks and never raises."""
         span: Span = span_session.span
-        first = id(span_session) not in self.seen_spans
-        self.seen_spans.add(id(span_session))
-        must = first and not self.client.reputation.checked(span.peer_id)
+        # a server never checked is checked at once, and again on later steps until a check of it completes (a
+        # check skipped for want of a checker, or whose checker failed, does not count)
+        must = span.peer_id not in self.first_checks and not self.client.reputation.checked(span.peer_id)
         if not must and self.client.rng.random() >= self.client.rate:
             return
         history = span_session.history
         if history is None or history.shape[1] != position + output.shape[1]:
             return
+        if must:
+            self.first_checks.add(span.peer_id)
         task = asyncio.get_running_loop().create_task(
             self._guarded(span, history, output.detach(), prompts, span_session.first_output))
         self.tasks.add(task)
@@ -150,6 +152,8 @@ class SessionChecks:
             raise
         except Exception:
             logger.exception("spot check of %s on blocks %d:%d failed unexpectedly", span.peer_id, span.start, span.end)
+        finally:
+            self.first_checks.discard(span.peer_id)
 
     async def _check(self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int) -> None:
         client = self.client
