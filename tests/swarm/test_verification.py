@@ -63,7 +63,9 @@ class ArmAt:
 
 def generate(swarm: NamedSwarm, streamer=None, **config) -> tuple[torch.Tensor, dict, list[str], list[int]]:
     model = AutoDistributedModelForCausalLM.from_pretrained(
-        swarm.model_path, initial_peers=swarm.peers, client_config=ClientConfig(**config))
+        swarm.model_path, initial_peers=swarm.peers,
+        # a ping slower than ping_timeout marks a server unreachable (never a checker): loaded test machines are slow
+        client_config=ClientConfig(ping_timeout=10.0, **config))
     try:
         with model.inference_session(max_length=64) as session:
             out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, streamer=streamer)
