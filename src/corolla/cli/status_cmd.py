@@ -3,6 +3,11 @@
 Both read the swarm with corolla.monitor.collect.collect_state: the DHT records, then an rpc_info ping to every
 server, so a server that died shows as `unreachable` (and its blocks as uncovered) at once, although its record
 stays in the DHT until it expires.
+
+Each server's line ends with this user's spot-check record of it (ClientConfig.verify_rate): `checks P/F` (passed,
+failed), `DISTRUSTED` when a client caught it lying, read from the clients' reputation file (client.reputation);
+`--json` adds it as "client_reputation" {peer id: record}. A record is what this machine's clients saw, not a
+swarm-wide verdict.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import argparse
 import asyncio
 import json
 
+from corolla.client.reputation import load as load_reputation
 from corolla.dht import model_dht_prefix
 from corolla.membership import load_swarm_key
 from corolla.monitor.collect import collect_state
@@ -45,12 +51,12 @@ def run(args: argparse.Namespace) -> int:
     if prefix is not None:
         view = state.models[0]
         if args.json:
-            print(json.dumps(view.model_dump(mode="json"), indent=2))
+            print(json.dumps({**view.model_dump(mode="json"), "client_reputation": _reputation()}, indent=2))
         else:
             _print_model(view)
         return 0
     if args.json:
-        print(json.dumps(state.model_dump(mode="json", exclude={"history"}), indent=2))
+        print(json.dumps({**state.model_dump(mode="json", exclude={"history"}), "client_reputation": _reputation()}, indent=2))
         return 0
     if not state.models:
         print("no model is announced in this swarm")
@@ -59,15 +65,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reputation() -> dict[str, dict[str, object]]:
+    return {peer: vars(rec) for peer, rec in load_reputation().items()}
+
+
 def _print_model(view: ModelView) -> None:
+    reputation = load_reputation()
     health = "healthy" if view.healthy else "missing blocks " + ", ".join(view.missing_ranges)
     print(f"model {view.dht_prefix}: {view.num_blocks} blocks, {view.servers_online}/{len(view.servers)} server(s) online, {health}")
     if view.uncovered_blocks:
         print(f"blocks with no online server: {view.uncovered_blocks}")
     for s in view.servers:
         rtt = "-" if s.rtt_ms is None else f"{s.rtt_ms:.1f} ms"
+        rec = reputation.get(s.peer_id)
+        checks = "" if rec is None else f"  checks {rec.passed}/{rec.failed}" + ("  DISTRUSTED" if rec.distrusted else "")
         print(f"  {s.peer_id}  blocks {s.start_block}:{s.end_block}  {s.state:<11} {s.throughput:.1f} tok/s  "
-              f"cache {s.cache_tokens_free}/{s.cache_tokens_total}  {s.torch_dtype}  quant {s.quant}  v{s.version}  rtt {rtt}")
+              f"cache {s.cache_tokens_free}/{s.cache_tokens_total}  {s.torch_dtype}  quant {s.quant}  v{s.version}  rtt {rtt}{checks}")
 
 
 def _model_blocks(model: str | None) -> int | None:

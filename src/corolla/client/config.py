@@ -29,6 +29,13 @@ class ClientConfig:
     rejoin_period: float = 5.0  # seconds between checks of contact with the swarm (rejoining after an outage)
     active_adapter: str | None = None  # LoRA adapter (as servers announce it) for every request; None: base model
 
+    # spot checks (client.spot_checks): the probability that a step's output of a span is recomputed by another
+    # server holding those blocks and compared. 0 (the default) = off: a check costs a second server a forward over
+    # the session's whole history, so it is the user's choice; 0.05-0.1 catches a lying server within tens of steps
+    verify_rate: float = 0.0
+    verify_seed: int | None = None  # seed of the spot checks' random draws (None: unseeded); tests and benchmarks
+    verify_wait: float = 30.0  # seconds `generate` waits for the checks still running before it returns
+
     max_chunk_bytes: int = 4 << 20  # training: largest hidden-state tensor per forward/backward message, bytes
 
     # route only through servers whose announced quantization is one of these (QuantMode, or its strings "none",
@@ -37,6 +44,8 @@ class ClientConfig:
     allowed_quant: tuple[QuantMode, ...] | None = None
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.verify_rate <= 1.0:
+            raise ValueError(f"verify_rate must be within [0, 1], got {self.verify_rate!r}")
         if self.allowed_quant is not None:
             if isinstance(self.allowed_quant, str) or not set(self.allowed_quant) <= set(QUANT_MODES) or not self.allowed_quant:
                 raise ValueError(

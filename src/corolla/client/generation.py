@@ -37,6 +37,7 @@ from corolla.client.inference_session import InferenceSession
 from corolla.client.prompt_lookup import PromptLookupDrafter
 from corolla.client.session_state import UNKNOWN
 from corolla.client.speculative import Drafter, speculative_decode
+from corolla.client.spot_checks import generation_rewinder
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,8 @@ def generate(
         mask = None if mask is None else mask[:, known]
         processors = settings.logits_processors(config, prompt_len, eos, mask, logits_processor, limits.min_length)
         criteria = settings.stopping_criteria(limits.max_length, eos, config.stop_strings, tokenizer, stopping_criteria)
-        logits_fn = _session_logits(model, session, call, reading.call_start, prompt_len)
+        seen = [prompt_len]  # columns of the sequence the session holds (sent, or pending)
+        logits_fn = _session_logits(model, session, call, reading.call_start, seen)
         if new_tokens == 0:
             return call.returned
         if config.num_beams > 1:
@@ -174,7 +176,9 @@ def generate(
                     getattr(assistant_model, "generation_config", None) is not None:
                 assistant_model.generation_config.num_assistant_tokens = drafter.num_tokens  # kept, as HF keeps it
             return _with_call_ids(call.returned, sequence[:, prompt_len:])
-        sequence = _sample_or_greedy(logits_fn, sequence, config, processors, criteria, pad, bool(eos), streamer)
+        # spot checks: a liar found during the loop makes it rewind (only where columns are the session's tokens)
+        rewinder = generation_rewinder(session, prompt_len, seen) if session.checks is not None and bool(known.all()) else None
+        sequence = _sample_or_greedy(logits_fn, sequence, config, processors, criteria, pad, bool(eos), streamer, rewinder)
         session.append_tokens(sequence[:, -1:])  # the last token, not sent yet
         return _with_call_ids(call.returned, sequence[:, prompt_len:])
     finally:
@@ -193,8 +197,13 @@ def _with_call_ids(call_ids: torch.Tensor, generated: torch.Tensor) -> torch.Ten
 
 
 def _sample_or_greedy(logits_fn, sequence: torch.Tensor, config: GenerationConfig, processors: LogitsProcessorList,
-                      criteria: StoppingCriteriaList, pad: int | None, has_eos: bool, streamer: Any) -> torch.Tensor:
-    """HF's `_sample` loop: one token per row per step until every row meets a stopping criterion."""
+                      criteria: StoppingCriteriaList, pad: int | None, has_eos: bool, streamer: Any,
+                      rewinder: Callable[[torch.Tensor, bool], int | None] | None = None) -> torch.Tensor:
+    """HF's `_sample` loop: one token per row per step until every row meets a stopping criterion.
+
+    `rewinder(sequence, final)` (spot checks) may answer a number of columns to keep: the tokens after them are
+    generated again (a streamer has already seen the dropped ones)."""
+    start = sequence.shape[1]
     unfinished = torch.ones(sequence.shape[0], dtype=torch.long)
     while True:
         logits = logits_fn(sequence, None)  # (B, vocab) float32
@@ -210,15 +219,21 @@ def _sample_or_greedy(logits_fn, sequence: torch.Tensor, config: GenerationConfi
         if streamer is not None:
             streamer.put(next_tokens.cpu())
         unfinished = unfinished & ~criteria(sequence, None)
+        keep = None if rewinder is None else rewinder(sequence, bool(unfinished.max() == 0))
+        if keep is not None:  # spot checks found wrong outputs: regenerate after column `keep`
+            sequence = sequence[:, :keep]
+            unfinished = torch.ones(sequence.shape[0], dtype=torch.long)
+            for column in range(start + 1, keep + 1):
+                unfinished = unfinished & ~criteria(sequence[:, :column], None)
+            continue
         if unfinished.max() == 0:
             return sequence
 
 
 def _session_logits(model: GenerationModel, session: InferenceSession, call: _Call, call_start: int,
-                    prompt_len: int) -> Callable[[torch.Tensor, "list[int] | None"], torch.Tensor]:
+                    seen: list[int]) -> Callable[[torch.Tensor, "list[int] | None"], torch.Tensor]:
     """logits_fn(sequence (rows, s), hypo_ids) -> last-position logits (rows, vocab): reorders the session's rows by
-    hypo_ids, takes the tokens of `sequence` past the ones it saw last time, and sends every pending token."""
-    seen = [prompt_len]
+    hypo_ids, takes the tokens of `sequence` past the `seen[0]` columns it holds, and sends every pending token."""
 
     def logits_fn(sequence: torch.Tensor, hypo_ids: list[int] | None) -> torch.Tensor:
         if hypo_ids is not None:

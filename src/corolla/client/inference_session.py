@@ -23,6 +23,7 @@ from corolla.client.event_loop import get_loop, run_sync
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
 from corolla.client.session_state import CallReading, SessionState
+from corolla.client.spot_checks import SessionChecks, client_checks  # spot checks (ClientConfig.verify_rate)
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import PeerUnavailable, RemoteError, SessionExpired
 from corolla.protocol.messages import (
@@ -45,6 +46,9 @@ class _SpanSession:
         self.prompts = prompts  # deep prompts of this span's blocks (end - start, P, H), or None
         self.history: torch.Tensor | None = None  # (B, tokens, H): inputs at positions [0, tokens)
         self.step_id = 0
+        # spot checks: the first position whose output from this server reached the chain (a replacement opened
+        # mid-session as the last span of its route: the position it took over at; otherwise 0)
+        self.first_output = 0
 
     @classmethod
     async def open(cls, manager: SequenceManager, span: Span, max_length: int, batch_size: int, config: ClientConfig,
@@ -142,6 +146,8 @@ class InferenceSession:
         self._spans: list[_SpanSession] | None = None
         self.closed = False
         self.steps = 0  # steps that reached the servers: round trips through the chain (failover replays not counted)
+        # spot checks of this session's servers (client.spot_checks), None when ClientConfig.verify_rate is 0
+        self.checks: SessionChecks | None = SessionChecks(client_checks(manager)) if manager.config.verify_rate > 0 else None
 
     # ------------------------------------------------------------------ what the session holds
     @property
@@ -278,6 +284,8 @@ class InferenceSession:
         if not self.closed:
             self.closed = True
             spans, self._spans = self._spans, None
+            if self.checks is not None:
+                self.checks.cancel()
             if spans:
                 await self._close_spans(spans)
 
@@ -313,9 +321,37 @@ class InferenceSession:
                 self._spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
                 continue
             self.manager.forgive(span.span.peer_id)
+            if self.checks is not None and mask is None and hypo_ids is None:  # spot checks: maybe check this answer
+                self.checks.after_step(span, position, x_out, span.prompts)
             x = x_out
             index += 1
         return x
+
+    async def replace_distrusted(self, position: int) -> None:
+        """Spot checks: replace every span served by a distrusted peer (replaying its kept inputs before `position`
+        into a replacement, as failover does) and roll the session back to `position`."""
+        if position > self.position:
+            raise ValueError(f"cannot rewind to {position}: the session holds {self.position} positions")
+        if self._spans is not None:
+            index = 0
+            while index < len(self._spans):
+                span = self._spans[index]
+                if span.span.peer_id not in self.manager.distrusted:
+                    index += 1
+                    continue
+                if self.checks is not None:
+                    self.checks.replaced.add(span.span.peer_id)
+                await span.close()
+                history = span.history[:, :position] if span.history is not None else None
+                replacement = await self._open_chain(span.span.start, span.span.end, history)
+                self._spans[index : index + 1] = replacement
+                index += len(replacement)
+        self.rollback(position)
+        if self.checks is not None:
+            rewind = self.checks.rewind  # a check that found another liar meanwhile keeps its rewind for the next call
+            if rewind is not None and rewind.peer_id in self.checks.replaced:
+                self.checks.rewind = None
+            self.checks.rewinds.append(position)
 
     async def _open_chain(self, start: int, end: int, history: torch.Tensor | None) -> list[_SpanSession]:
         """Open sessions on a fresh route over [start, end) and replay `history` (inputs at block `start`) into them.
@@ -336,6 +372,8 @@ class InferenceSession:
                     opened.append(session)
                     if x is not None and x.shape[1] > 0:
                         x = await session.step(x, 0, self.config.request_timeout, self._state.replay_mask(x.shape[1]))
+                        if span is route[-1]:  # spot checks: only its later outputs leave the route
+                            session.first_output = x.shape[1]
             except (PeerUnavailable, RemoteError) as e:
                 await self._close_spans(opened)
                 failures = self.manager.after_failure(e, failures, span)

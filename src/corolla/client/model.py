@@ -155,6 +155,15 @@ class DistributedModelForCausalLM(nn.Module):
             kwargs["session"] = active
         return _generate(self, input_ids, **kwargs)
 
+    def reputation(self) -> dict[str, dict[str, object]]:
+        """Spot checks (ClientConfig.verify_rate): this client's record per server peer id, {"passed": checks its
+        outputs passed, "failed": checks that found them wrong, "distrusted": never routed through again, "last":
+        unix time of its last check}. Empty while nothing was checked. `corolla status` shows the same counts, merged
+        over the clients of this user (client.reputation)."""
+        from corolla.client.spot_checks import client_checks  # spot checks: kept out of the model's imports
+
+        return client_checks(self.transformer.manager).reputation.snapshot()
+
     def shutdown(self) -> None:
         """Stop this model's DHT node and p2pd (also done at interpreter exit)."""
         node = self._node

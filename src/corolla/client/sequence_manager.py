@@ -59,6 +59,8 @@ class SequenceManager:
         self.rtts: dict[str, float] = {}  # peer id -> smoothed round trip, seconds
         self._measured_at: dict[str, float] = {}
         self._bans: dict[str, _Ban] = {}
+        # spot checks (client.spot_checks): peers caught returning wrong outputs, never routed through again
+        self.distrusted: set[str] = set()
         self._stale = False  # set by invalidate(): re-read the DHT at the next update
         self._update_lock = asyncio.Lock()
         self._pings: asyncio.Task[None] | None = None
@@ -128,7 +130,8 @@ class SequenceManager:
     # ------------------------------------------------------------------ bans
     def banned(self, unreachable_only: bool = False) -> set[str]:
         now = time.monotonic()
-        return {p for p, ban in self._bans.items() if ban.until > now and (ban.unreachable or not unreachable_only)}
+        banned = {p for p, ban in self._bans.items() if ban.until > now and (ban.unreachable or not unreachable_only)}
+        return banned | self.distrusted  # spot checks: a liar is skipped even as a block's only server
 
     def ban(self, peer_id: str, unreachable: bool = False) -> None:
         """Avoid `peer_id` for a while: min_backoff after its first failure, doubling with each further one.

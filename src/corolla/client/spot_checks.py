@@ -1,0 +1,239 @@
+"""Spot checks of a session's servers, off the critical path (ClientConfig.verify_rate).
+
+After a span answers a step, with probability verify_rate (and always while its server was never checked by this
+client: every step until one check of it completes, one such check at a time), a background task on the client's event loop sends the span's kept inputs from
+position 0 through the step (the history InferenceSession keeps for failover) to a *different* server holding all
+of the span's blocks, by the cache-less rpc_forward, and compares its outputs at the step's positions with what the
+session received (client.verification has the measure, the tolerances and the decisions):
+
+    session step:  x ──► suspect [a:b) ──► y ──► ...           (returns at once)
+    background:    history[:, :p+T] ──► checker [a:b) ──► y' ;  relative_error(y, y'[:, p:]) <= tolerance ?
+                   on a mismatch, a third server (if any) breaks the tie
+
+A server found wrong is *distrusted*: SequenceManager never routes through it again in this client's lifetime (even
+as a block's only server: MissingBlocks beats silently wrong text). The session then has a `rewind` pending: the
+first position whose output from that server reached the chain. `generate` (client.generation) reads it after
+each step and, before returning, waits for the checks still running; it then replaces the liar's spans
+(`InferenceSession.replace_distrusted`, which replays the kept inputs into a replacement, as failover does), rolls
+the session back to that position and generates again from there, so the caller's greedy output is HF's.
+
+Not checked: steps with a padded attention mask or a pending beam reorder (the forward would need the session's
+mask history), and spans that no other server holds whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from corolla.client.remote_autograd import RemoteBlocks
+from corolla.client.reputation import Reputation
+from corolla.client.routing import Span
+from corolla.client.verification import (Rewind, checker_rank, decide, pair_tolerance, relative_error, rewind_position,
+                                         sequence_rewind)
+from corolla.protocol.errors import PeerUnavailable, RemoteError
+from corolla.protocol.messages import ServerInfo, ServerState
+
+if TYPE_CHECKING:
+    from corolla.client.sequence_manager import SequenceManager
+
+logger = logging.getLogger(__name__)
+
+SAVE_PERIOD = 10.0  # seconds between writes of the reputation file while checks pass
+
+
+class ClientChecks:
+    """What every session of one client shares: the reputation record and the random draws (ClientConfig.verify_seed)."""
+
+    def __init__(self, manager: SequenceManager):
+        self.manager = manager
+        self.rate = manager.config.verify_rate
+        self.rng = random.Random(manager.config.verify_seed)  # whether to check: drawn in step order
+        # which server checks: drawn inside the checks, whose order varies, so apart from the draws above
+        self.pick_rng = random.Random(None if manager.config.verify_seed is None else manager.config.verify_seed + 1)
+        self.reputation = Reputation(persist=manager.config.verify_rate > 0)
+        self.checks_started = 0  # checks sent to a checker
+        self.unchecked = 0  # checks drawn but skipped: no other server holds the span whole
+        self._saved_at = 0.0
+
+    def save(self, now: bool = False) -> None:
+        """Write the reputation file: at once after a failure (`now`), else at most every SAVE_PERIOD seconds
+        (a passed check is common and the file is only a record)."""
+        if now or time.monotonic() - self._saved_at >= SAVE_PERIOD:
+            self._saved_at = time.monotonic()
+            self.reputation.save()
+
+    def distrust(self, peer_id: str, reason: str) -> None:
+        if peer_id not in self.manager.distrusted:
+            logger.warning("distrusting peer=%s: %s; never routing through it again", peer_id, reason)
+        self.manager.distrusted.add(peer_id)
+
+    def holders(self, span: Span, exclude: set[str]) -> list[tuple[str, ServerInfo]]:
+        """Servers (peer, record) that hold all of blocks [span.start, span.end), online, not excluded, not banned."""
+        skip = exclude | self.manager.distrusted | self.manager.banned()
+        servers = self.manager.block_servers
+        found = []
+        for peer, info in sorted(servers[span.start].items()):
+            if (peer not in skip and info.state == ServerState.ONLINE and info.start_block <= span.start
+                    and info.end_block >= span.end and all(peer in servers[b] for b in range(span.start, span.end))):
+                found.append((peer, info))
+        return found
+
+    def info(self, peer_id: str, block: int) -> ServerInfo | None:
+        return self.manager.block_servers[block].get(peer_id)
+
+
+_clients: weakref.WeakKeyDictionary[object, ClientChecks] = weakref.WeakKeyDictionary()
+
+
+def client_checks(manager: SequenceManager) -> ClientChecks:
+    """The ClientChecks of `manager` (one per client, made on first use)."""
+    checks = _clients.get(manager)
+    if checks is None:
+        checks = _clients[manager] = ClientChecks(manager)
+    return checks
+
+
+class SessionChecks:
+    """The spot checks of one InferenceSession: tasks in flight and the rewind they found (see the module doc)."""
+
+    def __init__(self, client: ClientChecks):
+        self.client = client
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.rewind: Rewind | None = None  # set on the event loop; read by generate between steps
+        self.first_checks: set[str] = set()  # never-checked peers with a check in flight
+        self.replaced: set[str] = set()  # liars this session already routed around and rewound for
+        self.rewinds: list[int] = []  # the positions this session was rewound to, in order
+
+    # ------------------------------------------------------------------ on the event loop, after each span's step
+    def after_step(self, span_session, position: int, output: Tensor, prompts: Tensor | None) -> None:
+        """Maybe start a check of `span_session`'s answer `output` (B, T, H) to the step at `position` (its input
+        is the last T positions of span_session.history). Never blocks and never raises."""
+        span: Span = span_session.span
+        # a server never checked is checked at once, and again on later steps until a check of it completes (a
+        # check skipped for want of a checker, or whose checker failed, does not count)
+        must = span.peer_id not in self.first_checks and not self.client.reputation.checked(span.peer_id)
+        if not must and self.client.rng.random() >= self.client.rate:
+            return
+        history = span_session.history
+        if history is None or history.shape[1] != position + output.shape[1]:
+            return
+        if must:
+            self.first_checks.add(span.peer_id)
+        task = asyncio.get_running_loop().create_task(
+            self._guarded(span, history, output.detach(), prompts, span_session.first_output))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (up to `timeout` seconds) for every check in flight."""
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=timeout)
+
+    def cancel(self) -> None:
+        """The session closes: checks in flight are dropped, and the record written."""
+        for task in list(self.tasks):
+            task.cancel()
+        self.client.save(now=True)
+
+    # ------------------------------------------------------------------ one check
+    async def _guarded(self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int) -> None:
+        """`_check`, whose unexpected errors are logged: a check must never break the session it watches."""
+        try:
+            await self._check(span, inputs, output, prompts, first_output)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("spot check of %s on blocks %d:%d failed unexpectedly", span.peer_id, span.start, span.end)
+        finally:
+            self.first_checks.discard(span.peer_id)
+
+    async def _check(self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int) -> None:
+        client = self.client
+        suspect = span.peer_id
+        holders = client.holders(span, {suspect})
+        if not holders:
+            client.unchecked += 1
+            return
+        client.checks_started += 1
+        suspect_info = client.info(suspect, span.start)
+        holders = checker_rank(suspect_info, holders)
+        checker, checker_info = holders[client.pick_rng.randrange(len(holders))]
+        t = output.shape[1]
+        blocks = RemoteBlocks(client.manager, span.start, span.end)
+        try:
+            reference = (await blocks.forward_span(Span(checker, span.start, span.end), inputs, prompts))[:, -t:]
+        except (PeerUnavailable, RemoteError, asyncio.TimeoutError) as e:
+            logger.debug("spot check of %s: checker %s failed (%s); skipped", suspect, checker, e)
+            return
+        err = relative_error(output, reference)
+        tol = pair_tolerance(suspect_info, checker_info)
+        if err <= tol:
+            client.reputation.passed(suspect)
+            client.reputation.passed(checker)
+            client.save()
+            logger.debug("spot check %s vs %s on %d:%d: %.2e <= %.2e", suspect[-6:], checker[-6:], span.start, span.end, err, tol)
+            return
+        logger.warning("spot check mismatch on blocks %d:%d: peer=%s vs checker=%s relative error %.3e > %.1e",
+                       span.start, span.end, suspect, checker, err, tol)
+        thirds = checker_rank(suspect_info, client.holders(span, {suspect, checker}))
+        verdict = decide(err, tol)
+        if thirds:
+            third, third_info = thirds[client.pick_rng.randrange(len(thirds))]
+            try:
+                tie = (await blocks.forward_span(Span(third, span.start, span.end), inputs, prompts))[:, -t:]
+                verdict = decide(err, tol, relative_error(output, tie), pair_tolerance(suspect_info, third_info),
+                                 relative_error(reference, tie), pair_tolerance(checker_info, third_info))
+                logger.warning("tie-breaker peer=%s: verdict %s", third, verdict)
+                if verdict in ("ban_checker", "ban_suspect"):
+                    client.reputation.passed(third)  # it agreed with the one kept
+            except (PeerUnavailable, RemoteError, asyncio.TimeoutError) as e:
+                logger.debug("tie-breaker %s failed (%s)", third, e)
+        if verdict in ("ban_suspect", "ban_both"):
+            client.reputation.failed(suspect, distrust=True)
+            client.distrust(suspect, f"its outputs of blocks {span.start}:{span.end} differ from {checker}'s by {err:.2e}")
+            position = rewind_position(first_output)
+            if suspect not in self.replaced and (self.rewind is None or position < self.rewind.position):
+                self.rewind = Rewind(position, suspect)
+        else:
+            client.reputation.passed(suspect)
+        if verdict in ("ban_checker", "ban_both"):
+            client.reputation.failed(checker, distrust=True)
+            client.distrust(checker, f"its outputs of blocks {span.start}:{span.end} disagree with two other servers")
+        client.save(now=True)
+
+
+def generation_rewinder(session, prompt_len: int, seen: list[int]) -> Callable[[Tensor, bool], int | None]:
+    """For `generate`'s decoding loop over a session whose sequence columns are its token columns (no prompt-tuning
+    offset beyond `session.prefix_length`, no positions known only as hidden states): rewind(sequence, final) ->
+    the number of sequence columns to keep, or None to go on.
+
+    Between steps it only reads the rewind the checks found; with `final` (the loop would return) it first waits
+    up to ClientConfig.verify_wait for the checks in flight. On a rewind it replaces the liar's spans, rolls the
+    session back, and sets `seen[0]` (the columns the session holds) so the next step re-sends the rest."""
+    from corolla.client.event_loop import run_sync  # the loop's helpers, imported where they are needed
+
+    checks: SessionChecks = session.checks
+
+    def rewind(sequence: Tensor, final: bool) -> int | None:
+        if final and checks.tasks:
+            run_sync(checks.drain(session.config.verify_wait))
+        found = checks.rewind
+        if found is None:
+            return None
+        position = found.position if found.position >= session.prefix_length else 0
+        position = min(position, session.position)
+        logger.warning("rewinding the session to position %d: peer %s returned wrong outputs from there", position,
+                       found.peer_id)
+        run_sync(session.replace_distrusted(position))
+        seen[0] = session.token_ids.shape[1]  # the tokens of positions [prefix, position)
+        return sequence_rewind(position, session.prefix_length, prompt_len, sequence.shape[1])
+
+    return rewind
