@@ -421,11 +421,20 @@ class InferenceSession:
             opened: list[_SpanSession] = []
             span = route[0]
             try:
+                # every span's stream opens at once (one round trip in all, not one per server); each names the
+                # server before it as the one allowed to push into it
+                results = await asyncio.gather(*(
+                    _SpanSession.open(self.manager, s, self.max_length, self.batch_size, self.config,
+                                      self._span_prompts(s), route[i - 1].peer_id if i else None)
+                    for i, s in enumerate(route)), return_exceptions=True)
+                opened = [r for r in results if isinstance(r, _SpanSession)]
+                for s, r in zip(route, results):
+                    if isinstance(r, BaseException):
+                        span = s
+                        raise r
                 x = history
-                for span in route:
-                    session = await _SpanSession.open(self.manager, span, self.max_length, self.batch_size, self.config,
-                                                      self._span_prompts(span), opened[-1].span.peer_id if opened else None)
-                    opened.append(session)
+                for session in opened:
+                    span = session.span
                     if x is not None and x.shape[1] > 0:
                         x = await session.step(x, 0, self.config.request_timeout, self._state.replay_mask(x.shape[1]))
             except (PeerUnavailable, RemoteError) as e:
