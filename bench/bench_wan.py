@@ -66,29 +66,37 @@ def run_rtt(model: str, rtt_ms: float, args: argparse.Namespace, reference: list
         join = [join_time(proc) for proc in procs]
         dht_join = [float(proc.wait_for(r"joined the swarm as \S+ in ([\d.]+)s", 10).group(1)) for proc in procs]
         log(f"rtt {rtt_ms} ms: measured {measured * 1e3:.2f} ms, servers joined after {[round(j, 2) for j in join]} s")
-        client = Agent(net, "client", model, peers, log=log_file)
-        if not client.ready["ready"]:
-            raise RuntimeError(f"client did not start: {client.ready}")
-        matches = client.generate(ids, args.new_tokens) == reference
-        timed = client.request("timed_decode", ids=ids.tolist(), new_tokens=args.new_tokens, repeats=args.repeats,
-                               timeout=600)
-        if not timed["ok"]:
-            raise RuntimeError(f"timed decode failed: {timed['error']}")
-        ttft = statistics.median(timed["ttft_s"])
-        decode = statistics.median(timed["decode_s_per_token"])
         result = {
             "rtt_configured_ms": rtt_ms,
             "rtt_measured_ms": round(measured * 1e3, 3),
             "join_time_s": [round(j, 3) for j in join],
             "join_p2p_and_dht_s": dht_join,  # of which: starting p2pd and joining the DHT (from the server's log)
-            "ttft_ms": round(ttft * 1e3, 2),
-            "decode_ms_per_token": round(decode * 1e3, 2),
-            "round_trips_per_token": round(decode / measured, 2) if rtt_ms > 0 else None,
-            "round_trips_to_first_token": round(ttft / measured, 2) if rtt_ms > 0 else None,
-            "expected_round_trips_per_token": args.servers,
-            "greedy_matches_hf": matches,
         }
-        if rtt_ms == args.rtts[-1]:  # a server coming back: restart s0 with its (now existing) identity
+        for mode in args.modes:  # push: server to server; relay: the client relays every hop (Petals' structure)
+            client = Agent(net, "client", model, peers, config={"push": mode == "push"}, label=f"client-{mode}", log=log_file)
+            if not client.ready["ready"]:
+                raise RuntimeError(f"client did not start: {client.ready}")
+            matches = client.generate(ids, args.new_tokens) == reference
+            timed = client.request("timed_decode", ids=ids.tolist(), new_tokens=args.new_tokens, repeats=args.repeats,
+                                   timeout=600)
+            client.proc.stop()
+            if not timed["ok"]:
+                raise RuntimeError(f"timed decode failed: {timed['error']}")
+            ttft = statistics.median(timed["ttft_s"])
+            decode = statistics.median(timed["decode_s_per_token"])
+            result[mode] = {
+                "ttft_ms": round(ttft * 1e3, 2),
+                "decode_ms_per_token": round(decode * 1e3, 2),
+                "tokens_per_s": round(1 / decode, 2),
+                # decode time over the measured link RTT: the round trips a token really waits for
+                "round_trips_per_token": round(decode / measured, 2) if rtt_ms > 0 else None,
+                "round_trips_to_first_token": round(ttft / measured, 2) if rtt_ms > 0 else None,
+                "expected_round_trips_per_token": 1 + (args.servers - 1) / 2 if mode == "push" else args.servers,
+                "greedy_matches_hf": matches,
+            }
+        if {"push", "relay"} <= set(args.modes):
+            result["push_speedup"] = round(result["relay"]["decode_ms_per_token"] / result["push"]["decode_ms_per_token"], 3)
+        if rtt_ms == args.rtts[-1] and args.restart:  # a server coming back: restart s0 with its (now existing) identity
             procs[0].stop()
             again = start_server(net, "s0", model, peers, *SERVER_ARGS, "--blocks", spans(args.layers, args.servers)[0],
                                  "--identity", str(identities / "s0.key"), label="s0-restarted", log=log_file, wait=False)
@@ -112,6 +120,10 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length")
     parser.add_argument("--repeats", type=int, default=3, help="timed sessions per round trip (median reported)")
     parser.add_argument("--rate-mbit", type=float, default=None, help="cap each host's link at this rate (Mbit/s)")
+    parser.add_argument("--restart", action="store_true", help="also time a server restarting with its identity")
+    parser.add_argument("--modes", nargs="+", default=["push", "relay"], choices=("push", "relay"),
+                        help="push: servers send each step's output straight to the next server; relay: the client "
+                             "relays every hop")
     parser.add_argument("--log", default=None, help="write every process's output to this file")
     args = parser.parse_args()
     usable, why = can_emulate()
@@ -133,7 +145,8 @@ def main() -> int:
     print(json.dumps({
         "servers": args.servers, "layers": args.layers, "new_tokens": args.new_tokens,
         "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "rate_mbit": args.rate_mbit,
-        "protocol": "client relays every hop: each decode step is one round trip per server",
+        "protocol": "push: client -> s0 -> s1 -> ... -> client (one crossing per hop plus one back); "
+                    "relay: the client relays every hop (one round trip per server)",
         "results": results,
     }, indent=2))
     return 0

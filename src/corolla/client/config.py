@@ -28,6 +28,9 @@ class ClientConfig:
     swarm_key: str | None = None  # private swarm: path of the swarm key file (`corolla swarm-key PATH`)
     rejoin_period: float = 5.0  # seconds between checks of contact with the swarm (rejoining after an outage)
     active_adapter: str | None = None  # LoRA adapter (as servers announce it) for every request; None: base model
+    # inference steps go to the first server with the rest of the route, and each server pushes its output straight
+    # to the next one (one network crossing per hop, not two); False: the client relays every hop (Petals' way)
+    push: bool = True
 
     # spot checks (client.spot_checks): the probability that a step's output of a span is recomputed by another
     # server holding those blocks and compared. 0 (the default) = off: a check costs a second server a forward over

@@ -20,6 +20,7 @@ import torch
 from corolla.client.config import ClientConfig
 from corolla.client.connection import Connection
 from corolla.client.event_loop import get_loop, run_sync
+from corolla.client.push_route import RouteHop, can_push, push_route, sources_to_fix
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
 from corolla.client.session_state import CallReading, SessionState
@@ -27,7 +28,10 @@ from corolla.client.spot_checks import SessionChecks, client_checks  # spot chec
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import PeerUnavailable, RemoteError, SessionExpired
 from corolla.protocol.messages import (
+    AllowPush,
     BlockRange,
+    PushAllowed,
+    PushHop,
     CloseSession,
     InferenceStep,
     OpenSession,
@@ -37,12 +41,23 @@ from corolla.protocol.messages import (
 
 logger = logging.getLogger(__name__)
 
+class PushFailed(Exception):
+    """A server computed its span (`output`) but could not push it on: the next server is to be replaced."""
+
+    def __init__(self, message: str, output: torch.Tensor):
+        super().__init__(message)
+        self.output = output
+
+
 class _SpanSession:
     """The stream to one server for blocks [span.start, span.end), with the inputs it has been sent."""
 
-    def __init__(self, span: Span, connection: Connection, prompts: torch.Tensor | None = None):
+    def __init__(self, span: Span, connection: Connection, prompts: torch.Tensor | None = None, session_id: str = "",
+                 push_from: str | None = None):
         self.span = span
         self.connection = connection
+        self.session_id = session_id  # the server's id of this session (pushes name it)
+        self.push_from = push_from  # the peer the server accepts pushed steps from
         self.prompts = prompts  # deep prompts of this span's blocks (end - start, P, H), or None
         self.history: torch.Tensor | None = None  # (B, tokens, H): inputs at positions [0, tokens)
         self.step_id = 0
@@ -52,14 +67,14 @@ class _SpanSession:
 
     @classmethod
     async def open(cls, manager: SequenceManager, span: Span, max_length: int, batch_size: int, config: ClientConfig,
-                   prompts: torch.Tensor | None = None) -> _SpanSession:
+                   prompts: torch.Tensor | None = None, push_from: str | None = None) -> _SpanSession:
         connection = await Connection.open(manager.node.p2p, span.peer_id, "inference", config.connect_timeout)
         try:
             await connection.send(
                 OpenSession(
                     protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
                     max_length=max_length, batch_size=batch_size, alloc_timeout=config.alloc_timeout,
-                    active_adapter=config.active_adapter,
+                    active_adapter=config.active_adapter, push_from=push_from,
                 )
             )
             reply, _ = await connection.receive(config.connect_timeout + config.alloc_timeout)
@@ -68,7 +83,19 @@ class _SpanSession:
         except BaseException:
             connection.close()
             raise
-        return cls(span, connection, prompts)
+        return cls(span, connection, prompts, reply.session_id, push_from)
+
+    def hop(self) -> RouteHop:
+        """This span as the next step's route names it (the step id it will answer that step with)."""
+        return RouteHop(self.span.peer_id, self.session_id, self.step_id + 1, self.push_from)
+
+    async def allow_push(self, peer_id: str, timeout: float) -> None:
+        """Make the server accept pushed steps from `peer_id` (only) from now on."""
+        await self.connection.send(AllowPush(peer_id=peer_id))
+        reply, _ = await self.connection.receive(timeout)
+        if not isinstance(reply, PushAllowed):
+            raise PeerUnavailable(f"server {self.span.peer_id} answered allow_push with {reply.kind}")
+        self.push_from = peer_id
 
     async def step(self, hidden: torch.Tensor, position: int, timeout: float, mask: torch.Tensor | None = None,
                    hypo_ids: list[int] | None = None) -> torch.Tensor:
@@ -78,14 +105,31 @@ class _SpanSession:
         `hypo_ids` reorders the cached rows first (beam search), and the recorded history with them, so that a
         replay rebuilds the reordered caches. The span's deep prompts go with every step that holds a position below P.
         """
+        await self.send(hidden, position, mask, hypo_ids)
+        return await self.receive(hidden, position, timeout, hypo_ids)
+
+    async def send(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None = None,
+                   hypo_ids: list[int] | None = None, push_to: tuple[PushHop, ...] = ()) -> None:
+        """Send a step (see `step`); with `push_to`, the server pushes its output on along that route."""
         self.step_id += 1
         tensors = {"hidden": hidden}
         if mask is not None:
             tensors["attention_mask"] = mask
         if self.prompts is not None and position < self.prompts.shape[1]:
             tensors["prompts"] = self.prompts
-        await self.connection.send(InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids), tensors)
-        reply, tensors = await self.connection.receive(timeout)
+        await self.connection.send(InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids,
+                                                 push_to=push_to), tensors)
+
+    async def receive(self, hidden: torch.Tensor, position: int, timeout: float, hypo_ids: list[int] | None = None
+                      ) -> torch.Tensor:
+        """The answer to the step whose input was `hidden` (sent by us or pushed by the server before); records the
+        input. Answers to older steps (pushed before a failover replayed them) are skipped. PushFailed (after the
+        input is recorded) when the server could not push its output on."""
+        while True:
+            reply, tensors = await self.connection.receive(timeout)
+            if isinstance(reply, StepResult) and reply.step_id < self.step_id:
+                continue
+            break
         if not isinstance(reply, StepResult) or reply.step_id != self.step_id:
             raise PeerUnavailable(f"server {self.span.peer_id} answered step {self.step_id} with {reply.kind}")
         output = tensors["hidden"]
@@ -95,6 +139,8 @@ class _SpanSession:
         if kept is not None and hypo_ids is not None:
             kept = kept[hypo_ids]  # (B, position, H): row i now holds hypothesis hypo_ids[i]'s inputs
         self.history = hidden if kept is None or kept.shape[1] == 0 else torch.cat([kept, hidden], dim=1)
+        if reply.push_error is not None:
+            raise PushFailed(reply.push_error, output)
         return output
 
     async def close(self) -> None:
@@ -148,6 +194,7 @@ class InferenceSession:
         self.steps = 0  # steps that reached the servers: round trips through the chain (failover replays not counted)
         # spot checks of this session's servers (client.spot_checks), None when ClientConfig.verify_rate is 0
         self.checks: SessionChecks | None = SessionChecks(client_checks(manager)) if manager.config.verify_rate > 0 else None
+        self.pushed_steps = 0  # steps that went server to server all the way (push mode, no hop failed)
 
     # ------------------------------------------------------------------ what the session holds
     @property
@@ -307,10 +354,57 @@ class InferenceSession:
         if self._spans is None:
             self._spans = await self._open_chain(self.start, self.end, history=None)
         position = self.position
-        x, index, failures = hidden, 0, 0
-        while index < len(self._spans):
-            span = self._spans[index]
+        prompt_length = 0 if self.prompts is None else self.prompts.shape[1]
+        if can_push(len(self._spans), self.config.push, position, prompt_length):
+            return await self._push_step(hidden, position, mask, hypo_ids)
+        return await self._relay(hidden, position, mask, hypo_ids, 0)
+
+    async def _push_step(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None,
+                         hypo_ids: list[int] | None) -> torch.Tensor:
+        """Send the step to the first server with the rest of the route, then read every span's copy of its output
+        in route order (the last one is the answer). A failed hop: that server is replaced (client.push_route's
+        rules) and the step relayed from there."""
+        spans = self._spans
+        assert spans is not None
+        timeout = self.config.request_timeout
+        try:
+            for i, peer in sources_to_fix([s.hop() for s in spans]):
+                await spans[i].allow_push(peer, self.config.connect_timeout)
+        except (PeerUnavailable, RemoteError) as e:  # relaying finds (and replaces) the server that failed
+            logger.info("allow_push failed: %s", e)
+            return await self._relay(hidden, position, mask, hypo_ids, 0)
+        x, index = hidden, 0
+        try:
+            route = push_route([s.hop() for s in spans])
+            for span in spans[1:]:
+                span.step_id += 1  # the step id each later server answers the pushed step with
+            await spans[0].send(hidden, position, mask, hypo_ids, route)
+            while index < len(spans):
+                x = await spans[index].receive(x, position, timeout, hypo_ids)
+                self.manager.forgive(spans[index].span.peer_id)
+                if self.checks is not None and mask is None and hypo_ids is None:  # spot checks, as in _relay
+                    self.checks.after_step(spans[index], position, x, spans[index].prompts)
+                index += 1
+        except PushFailed as e:  # spans[index] answered, the one after it did not get the step
+            logger.info("push failed after span %d: %s", index, e)
+            return await self._relay(e.output, position, mask, hypo_ids, index + 1, PeerUnavailable(str(e)))
+        except (PeerUnavailable, RemoteError) as e:
+            return await self._relay(x, position, mask, hypo_ids, index, e)
+        self.pushed_steps += 1
+        return x
+
+    async def _relay(self, x: torch.Tensor, position: int, mask: torch.Tensor | None, hypo_ids: list[int] | None,
+                     index: int, failed: Exception | None = None) -> torch.Tensor:
+        """Run input `x` through spans[index:], the client relaying every hop; `failed`: spans[index] already failed."""
+        spans = self._spans
+        assert spans is not None
+        failures = 0
+        while index < len(spans):
+            span = spans[index]
             try:
+                if failed is not None:
+                    error, failed = failed, None
+                    raise error
                 x_out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids)
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, failures, span.span)
@@ -318,7 +412,7 @@ class InferenceSession:
                 await self.manager.backoff(failures)
                 # the replacement gets the history as it was before this step (not reordered yet), then this step
                 history = span.history[:, :position] if span.history is not None else None
-                self._spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
+                spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
                 continue
             self.manager.forgive(span.span.peer_id)
             if self.checks is not None and mask is None and hypo_ids is None:  # spot checks: maybe check this answer
@@ -365,11 +459,20 @@ class InferenceSession:
             opened: list[_SpanSession] = []
             span = route[0]
             try:
+                # every span's stream opens at once (one round trip in all, not one per server); each names the
+                # server before it as the one allowed to push into it
+                results = await asyncio.gather(*(
+                    _SpanSession.open(self.manager, s, self.max_length, self.batch_size, self.config,
+                                      self._span_prompts(s), route[i - 1].peer_id if i else None)
+                    for i, s in enumerate(route)), return_exceptions=True)
+                opened = [r for r in results if isinstance(r, _SpanSession)]
+                for s, r in zip(route, results):
+                    if isinstance(r, BaseException):
+                        span = s
+                        raise r
                 x = history
-                for span in route:
-                    session = await _SpanSession.open(self.manager, span, self.max_length, self.batch_size, self.config,
-                                                      self._span_prompts(span))
-                    opened.append(session)
+                for session in opened:
+                    span = session.span
                     if x is not None and x.shape[1] > 0:
                         x = await session.step(x, 0, self.config.request_timeout, self._state.replay_mask(x.shape[1]))
                         if span is route[-1]:  # spot checks: only its later outputs leave the route

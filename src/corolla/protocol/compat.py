@@ -20,7 +20,7 @@ import msgpack
 
 from corolla.protocol.framing import HEADER_LEN_BYTES, LEN_BYTES, MAX_FRAME_BYTES
 
-LEGACY_VERSIONS: tuple[int, ...] = (1,)  # older protocols whose peers get an error frame they can decode
+LEGACY_VERSIONS: tuple[int, ...] = (1, 2)  # older protocols whose peers get an error frame they can decode
 _DISCARD_CHUNK = 1 << 20  # bytes read at a time from a legacy frame that is thrown away
 
 
@@ -28,7 +28,10 @@ def legacy_error_frame(version: int, message: str) -> bytes:
     """A whole frame (length prefix included) carrying a `bad_request` error in protocol `version`'s format."""
     if version not in LEGACY_VERSIONS:
         raise ValueError(f"no legacy error format for protocol v{version}")
-    header = msgpack.packb({"msg": {"kind": "error", "code": "bad_request", "message": message}, "tensors": []})
+    fields: dict = {"msg": {"kind": "error", "code": "bad_request", "message": message}, "tensors": []}
+    if version >= 2:  # v2 frames name their version (and carry the same error message as v3)
+        fields = {"v": version, **fields}
+    header = msgpack.packb(fields)
     payload = len(header).to_bytes(HEADER_LEN_BYTES, "big") + header
     return len(payload).to_bytes(LEN_BYTES, "big") + payload
 

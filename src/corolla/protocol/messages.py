@@ -23,6 +23,8 @@ MAX_SESSION_LENGTH = 1 << 20  # tokens; a sanity bound, the server's own limit i
 MAX_ADAPTER_NAME = 4096  # characters of an adapter's name (a hub repo id or a path)
 MAX_MADDRS = 16  # multiaddrs a server may announce
 MAX_MADDR_CHARS = 512
+MAX_PEER_ID = 128  # characters of a peer id or a session id
+MAX_ROUTE = 64  # later servers a pushed step may name
 
 
 
@@ -128,6 +130,17 @@ class OpenSession(_Message):
     batch_size: int = Field(default=1, gt=0, le=MAX_BATCH_SIZE)
     alloc_timeout: float = Field(default=0.0, ge=0.0, le=3600.0)  # seconds to wait in the allocation queue
     active_adapter: str | None = Field(default=None, max_length=MAX_ADAPTER_NAME)  # LoRA adapter for every step; None: base model
+    # push mode: the one peer (the server before this one on the client's route) allowed to push steps into this
+    # session (rpc_push); None: nobody. Only the session's owner names it (here or with AllowPush on its stream).
+    push_from: str | None = Field(default=None, max_length=MAX_PEER_ID)
+
+
+class PushHop(_Message):
+    """One later server of a pushed step's route: where the server before it sends its output (rpc_push)."""
+
+    peer_id: str = Field(min_length=1, max_length=MAX_PEER_ID)
+    session_id: str = Field(min_length=1, max_length=MAX_PEER_ID)
+    step_id: int = Field(ge=0)
 
 
 class SessionOpened(_Message):
@@ -163,6 +176,36 @@ class InferenceStep(_Message):
     step_id: int = Field(ge=0)
     position: int = Field(ge=0)
     hypo_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_BATCH_SIZE)
+    # push mode: the rest of the route; the server sends its output to push_to[0] (rpc_push) instead of only
+    # answering here, and every server answers its own client stream with a copy of its output
+    push_to: tuple[PushHop, ...] = Field(default=(), max_length=MAX_ROUTE)
+
+
+class PushStep(_Message):
+    """rpc_push (server to server, over a persistent stream): the previous server's output, tensor `hidden`
+    (B, T, H), as the next step of session `session_id` here, with the step's `attention_mask` if any. Accepted
+    only from the peer the session's owner named (OpenSession.push_from / AllowPush); the result goes to the
+    owner's own stream as a StepResult, and on to `push_to[0]`. A refusal comes back on this stream as ErrorReply."""
+
+    kind: Literal["push_step"] = "push_step"
+    tensor_slots: ClassVar[TensorSlots] = TensorSlots(("hidden",), ("attention_mask",))
+    session_id: str = Field(min_length=1, max_length=MAX_PEER_ID)
+    step_id: int = Field(ge=0)
+    position: int = Field(ge=0)
+    hypo_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_BATCH_SIZE)
+    push_to: tuple[PushHop, ...] = Field(default=(), max_length=MAX_ROUTE)
+
+
+class AllowPush(_Message):
+    """On a session's own stream (so only from its owner): from now on accept pushed steps from `peer_id` only
+    (None: from nobody). Answered with PushAllowed."""
+
+    kind: Literal["allow_push"] = "allow_push"
+    peer_id: str | None = Field(default=None, max_length=MAX_PEER_ID)
+
+
+class PushAllowed(_Message):
+    kind: Literal["push_allowed"] = "push_allowed"
 
 
 class StepResult(_Message):
@@ -172,6 +215,7 @@ class StepResult(_Message):
     tensor_slots: ClassVar[TensorSlots] = TensorSlots(("hidden",))
     step_id: int
     position: int  # tokens the session holds after the step
+    push_error: str | None = None  # push mode: sending the output on to the next server failed (why)
 
 
 class CloseSession(_Message):
@@ -286,6 +330,9 @@ Message = Annotated[
     | SessionOpened
     | InferenceStep
     | StepResult
+    | PushStep
+    | AllowPush
+    | PushAllowed
     | CloseSession
     | ForwardRequest
     | ForwardResult

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import closing
 from typing import TypeVar
@@ -46,8 +47,11 @@ from corolla.protocol.messages import (
     InfoRequest,
     Message,
     OpenSession,
+    AllowPush,
     ProbeReply,
     ProbeRequest,
+    PushAllowed,
+    PushStep,
     SessionOpened,
     StepResult,
 )
@@ -59,6 +63,7 @@ from corolla.server.config import ServerConfig
 from corolla.server.faults import FaultInjector, Hangup
 from corolla.server.metrics import ServerMetrics
 from corolla.server.planner import PlanLimits, plan
+from corolla.server.push import LiveSession, PushPool, authorize_push, next_push
 from corolla.server.scheduling import Compute, Scheduler
 from corolla.server.sessions import ServerSession, SessionTable
 from corolla.server.validation import RequestChecks, RequestError
@@ -100,6 +105,8 @@ class ConnectionHandler:
         self.compute: Compute = self.faults or scheduler
         # a stream that has not said what it wants is an idle session: it gets no longer than one
         self.first_message_timeout = min(FIRST_MESSAGE_TIMEOUT, config.session_timeout)
+        self.live: dict[str, LiveSession] = {}  # open sessions by id, as pushes find them (server.push)
+        self.pushes: PushPool | None = None  # streams to next servers, once registered on a P2P node
 
     @property
     def sessions(self) -> dict[str, asyncio.Task[None]]:
@@ -114,10 +121,11 @@ class ConnectionHandler:
     def _handlers(self) -> dict[str, Handler]:
         return {
             "inference": self.rpc_inference, "forward": self.rpc_forward, "backward": self.rpc_backward,
-            "info": self.rpc_info, "probe": self.rpc_probe,
+            "info": self.rpc_info, "probe": self.rpc_probe, "push": self.rpc_push,
         }
 
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
+        self.pushes = PushPool(p2p, self.config.step_timeout)
         for verb, handler in self._handlers().items():
             await p2p.add_binary_stream_handler(
                 rpc_handler_name(verb), _stream_adapter(handler, verb, self.metrics, authorize=self.authorize))
@@ -128,6 +136,8 @@ class ConnectionHandler:
 
     async def unregister(self, p2p) -> None:
         """Stop accepting new streams (the server is moving to other blocks); open sessions are ended elsewhere."""
+        if self.pushes is not None:
+            self.pushes.close()
         for verb in self._handlers():
             for name in [rpc_handler_name(verb), *(rpc_handler_name(verb, version) for version in LEGACY_VERSIONS)]:
                 await p2p.remove_binary_stream_handler(name)
@@ -182,18 +192,109 @@ class ConnectionHandler:
         self.checks.open_session(request)
         async with self.table.open(request, peer) as session:
             frame_limit = self.checks.step_frame_limit(session.batch_size, session.max_length, session.num_blocks)
-            await self._send(writer, SessionOpened(session_id=session.id, max_length=session.max_length))
+            live = LiveSession(session, writer, request.push_from)
+            self.live[session.id] = live
+            try:
+                await self._send(writer, SessionOpened(session_id=session.id, max_length=session.max_length))
+                await self._serve_session(reader, live, frame_limit)
+            finally:
+                self.live.pop(session.id, None)
+
+    async def _serve_session(self, reader: asyncio.StreamReader, live: LiveSession, frame_limit: int) -> None:
+        """The owner's frames of one session until close_session: steps (pushed on along their route) and AllowPush."""
+        session, writer = live.session, live.writer
+        reading: asyncio.Future | None = None
+        try:
             while True:
-                try:
-                    message, tensors = await asyncio.wait_for(read_frame(reader, frame_limit), self.config.session_timeout)
-                except asyncio.TimeoutError:
-                    raise RequestError(ErrorCode.TIMEOUT, f"session idle for more than {self.config.session_timeout:.0f}s") from None
+                if reading is None:
+                    reading = asyncio.ensure_future(read_frame(reader, frame_limit))
+                done, _ = await asyncio.wait({reading}, timeout=self.config.session_timeout)
+                if not done:
+                    if time.monotonic() - live.touched < self.config.session_timeout:
+                        continue  # steps pushed into the session keep it alive (its owner sends nothing here)
+                    raise RequestError(ErrorCode.TIMEOUT, f"session idle for more than {self.config.session_timeout:.0f}s")
+                message, tensors = reading.result()
+                reading = None
+                live.touched = time.monotonic()
                 if isinstance(message, CloseSession):
                     return
+                if isinstance(message, AllowPush):
+                    async with live.lock:
+                        live.push_from = message.peer_id
+                        await self._send(writer, PushAllowed())
+                    continue
                 if not isinstance(message, InferenceStep):
                     raise RequestError(ErrorCode.BAD_REQUEST, f"expected an inference step, got {message.kind}")
-                result, output = await self.run_step(session, message, tensors)
-                await self._send(writer, result, {"hidden": output})
+                async with live.lock:
+                    result, output = await self.run_step(session, message, tensors)
+                    result = await self._push_on(result, message.push_to, message, output, tensors.get("attention_mask"))
+                    await self._send(writer, result, {"hidden": output})
+        finally:
+            if reading is not None:
+                reading.cancel()
+
+    async def _push_on(self, result: StepResult, push_to, message: InferenceStep | PushStep, output: torch.Tensor,
+                       mask: torch.Tensor | None) -> StepResult:
+        """Send a step's output to the next server of its route, if any; the answer to the client, naming a failed push."""
+        hop = next_push(push_to, message.position, message.hypo_ids)
+        if hop is None or self.pushes is None:
+            return result
+        peer, push = hop
+        tensors = {"hidden": output} if mask is None else {"hidden": output, "attention_mask": mask}
+        try:
+            await self.pushes.send(peer, push, tensors)
+        except Exception as e:  # the next server is gone: the client replaces it and relays this step
+            logger.info("push to %s failed: %r", peer, e)
+            return result.model_copy(update={"push_error": f"push to {peer} failed: {type(e).__name__}: {e}"})
+        return result
+
+    # ------------------------------------------------------------------ rpc_push
+    async def rpc_push(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+        """Steps pushed by the previous server of clients' routes, on one persistent stream; each runs in its own
+        session (if `peer` may push there), its refusal answered here, its result on the session owner's stream."""
+        write_lock = asyncio.Lock()
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                try:
+                    message, tensors = await asyncio.wait_for(read_frame(reader), self.config.session_timeout)
+                except asyncio.TimeoutError:
+                    return
+                if not isinstance(message, PushStep):
+                    raise RequestError(ErrorCode.BAD_REQUEST, f"this stream takes push_step, got {message.kind}")
+                try:
+                    live = authorize_push(self.live.get(message.session_id), message.session_id, peer)
+                except RequestError as e:
+                    logger.info("push refused peer=%s reason=%s", peer, e)
+                    async with write_lock:
+                        await self._send(writer, ErrorReply(code=e.code, message=str(e)))
+                    continue
+                task = asyncio.create_task(self._run_pushed(live, message, tensors))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _run_pushed(self, live: LiveSession, message: PushStep, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Run a pushed step in `live`; a failure is the session's error (sent to its owner, its stream ended)."""
+        live.touched = time.monotonic()
+        async with live.lock:
+            try:
+                step = InferenceStep(step_id=message.step_id, position=message.position, hypo_ids=message.hypo_ids)
+                result, output = await self.run_step(live.session, step, tensors)
+                result = await self._push_on(result, message.push_to, message, output, tensors.get("attention_mask"))
+                await self._send(live.writer, result, {"hidden": output})
+            except (ConnectionError, asyncio.CancelledError):
+                _abort(live.writer)
+                raise
+            except Exception as e:
+                code, text = (e.code, str(e)) if isinstance(e, RequestError) else (ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+                logger.info("pushed step failed session=%s: %s", live.session.id, text)
+                try:
+                    await asyncio.wait_for(write_frame(live.writer, ErrorReply(code=code, message=text)), 5.0)
+                finally:
+                    _abort(live.writer)
 
     async def run_step(self, session: ServerSession, message: InferenceStep, tensors: Mapping[str, torch.Tensor]
                        ) -> tuple[StepResult, torch.Tensor]:

@@ -1,0 +1,97 @@
+"""Server-to-server push against real servers: greedy output equal to HF in push and relay mode, a server killed or
+failing at each position of a 3-server route (first, middle, last) changes nothing in the output, and a peer the
+session's owner did not name cannot push steps into the session (refused with a clear error, the server lives on)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from corolla.client.event_loop import run_sync
+from corolla.protocol import rpc_handler_name
+from corolla.protocol.framing import read_frame, write_frame
+from corolla.protocol.messages import ErrorReply, PushStep
+from test_failover import BACKUP, PREFERRED, PROMPT, ActAfter, client, start_swarm  # noqa: F401 (fixture)
+
+THREE = {"first": "0:1", "middle": "1:3", "last": "3:4"}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_path) -> torch.Tensor:
+    reference = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    return reference.generate(PROMPT, max_new_tokens=30, do_sample=False)
+
+
+def generate(model, streamer=None) -> tuple[torch.Tensor, list[str], int, int]:
+    """30 greedy tokens in one session: them, the peers the session ended on, its steps and its pushed steps."""
+    with model.inference_session(max_length=64) as session:
+        out = model.generate(PROMPT, max_new_tokens=30, session=session, streamer=streamer)
+        return out, [s.span.peer_id for s in session._spans], session.steps, session.pushed_steps
+
+
+@pytest.mark.parametrize("push", [True, False])
+def test_three_servers_give_hf_greedy_output_in_push_and_relay_mode(start_swarm, expected, push):
+    swarm = start_swarm(**{name: (blocks, []) for name, blocks in THREE.items()})
+    with client(swarm, push=push) as model:
+        out, peers, steps, pushed = generate(model)
+    assert torch.equal(out, expected)
+    assert peers == [swarm.peer_ids[name] for name in THREE]
+    assert pushed == (steps if push else 0)
+
+
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+def test_a_server_killed_at_each_position_of_a_push_route_keeps_greedy_output_identical(start_swarm, expected, position):
+    servers = {name: (blocks, PREFERRED if name == position else []) for name, blocks in THREE.items()}
+    servers["replica"] = (THREE[position], BACKUP)
+    swarm = start_swarm(**servers)
+    with client(swarm) as model:
+        streamer = ActAfter(10, lambda: swarm.local.kill(swarm.procs[position], signal.SIGKILL))
+        out, peers, steps, pushed = generate(model, streamer)
+    assert torch.equal(out, expected)
+    assert peers == [swarm.peer_ids["replica" if name == position else name] for name in THREE]
+    assert pushed >= steps - 2  # every step went by push but the one that met the dead server
+
+
+@pytest.mark.parametrize("fault", ["fail", "drop"])
+def test_a_middle_server_that_fails_or_drops_a_pushed_step_is_routed_around(start_swarm, expected, fault):
+    servers = {name: (blocks, [*PREFERRED, "--inject-fault", fault] if name == "middle" else []) for name, blocks in THREE.items()}
+    servers["replica"] = (THREE["middle"], BACKUP)
+    swarm = start_swarm(**servers)
+    with client(swarm, request_timeout=3.0) as model:
+        streamer = ActAfter(10, lambda: swarm.procs["middle"].popen.send_signal(signal.SIGUSR1))
+        out, peers, _, _ = generate(model, streamer)
+    assert torch.equal(out, expected)
+    assert peers == [swarm.peer_ids[name] for name in ("first", "replica", "last")]
+
+
+async def push_into(p2p, peer_id: str, session_id: str, step_id: int) -> ErrorReply:
+    """Push a step into another peer's session from `p2p` (not the peer its owner named); the server's answer."""
+    from hivemind.p2p import PeerID
+    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), rpc_handler_name("push"))
+    try:
+        await write_frame(writer, PushStep(session_id=session_id, step_id=step_id, position=0),
+                          {"hidden": torch.zeros(1, 1, 64)})
+        reply, _ = await read_frame(reader)
+        return reply
+    finally:
+        writer.close()
+
+
+def test_a_peer_the_owner_did_not_name_cannot_push_into_a_session(start_swarm, expected):
+    swarm = start_swarm(**{name: (blocks, []) for name, blocks in THREE.items()})
+    with client(swarm) as model:
+        with model.inference_session(max_length=64) as session:
+            first = model.generate(PROMPT[:, :3], max_new_tokens=2, session=session)
+            middle = session._spans[1]
+            # the client's own peer is not the one it named for the middle server's session (the first server is)
+            reply = run_sync(push_into(session.manager.node.p2p, middle.span.peer_id, middle.session_id, 99))
+            assert isinstance(reply, ErrorReply)
+            assert "push refused" in reply.message and "did not name peer" in reply.message
+            # the session (and the server) go on as if nothing happened
+            out = model.generate(PROMPT, max_new_tokens=30, session=session)
+    assert first.shape[1] == 5
+    assert torch.equal(out, expected)
+    assert swarm.procs["middle"].popen.poll() is None
