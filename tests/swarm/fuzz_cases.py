@@ -6,7 +6,7 @@ Malformed input gets `error:bad_request`, a stalled stream `error:timeout`, bloc
 `error:not_served`, a step past max_length `error:session_full`, a valid request its result. No case accepts
 `error:internal` (a server bug), garbage, or silence.
 
-- frames: every v2 RPC's first frame, mangled: random bytes, lying header lengths, oversized headers, broken msgpack,
+- frames: every current-version RPC's first frame, mangled: random bytes, lying header lengths, oversized headers, broken msgpack,
   wrong versions, missing/unknown/wrongly typed fields, other kinds, bad tensor names/dtypes/shapes, truncated or
   trailing tensor data (`mangled`);
 - content: well-framed forward/backward passes with wrong dtypes, shapes, NaN/inf, unknown blocks or adapters, bad
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.framing import DTYPE_NAMES
 from hostile import HIDDEN_SIZE, SESSION_TIMEOUT
 from raw_frames import BAD_VALUES, MAX_SESSION_LENGTH, Outcome, RawStream, frame, mangled, prefixed, tensor_frame
@@ -61,7 +62,7 @@ def randn(rng: random.Random, *shape: int, dtype: torch.dtype = torch.float32) -
 def first_message(verb: str, rng: random.Random, target: Target) -> tuple[dict, dict[str, torch.Tensor]]:
     """A valid first message of a `verb` stream to `target`, and its tensors."""
     if verb == "inference":
-        return {"kind": "open_session", "protocol_version": 2, "blocks": target.blocks(rng),
+        return {"kind": "open_session", "protocol_version": PROTOCOL_VERSION, "blocks": target.blocks(rng),
                 "max_length": rng.randint(8, 96), "batch_size": rng.choice([1, 1, 2, 3, 6])}, {}
     if verb in ("forward", "backward"):
         blocks = target.blocks(rng)
@@ -76,7 +77,7 @@ def first_message(verb: str, rng: random.Random, target: Target) -> tuple[dict, 
             tensors["prompts"] = randn(rng, blocks["end"] - blocks["start"], p, H)
             if "attention_mask" in tensors:
                 tensors["attention_mask"][:, :p] = True
-        return {"kind": verb, "protocol_version": 2, "blocks": blocks}, tensors
+        return {"kind": verb, "protocol_version": PROTOCOL_VERSION, "blocks": blocks}, tensors
     if verb == "info":
         return {"kind": "info"}, {}
     return {"kind": "probe", "reply_bytes": rng.randint(0, 4096)}, {"payload": torch.zeros(rng.randint(0, 64), dtype=torch.int32)}
@@ -156,7 +157,7 @@ class Fuzzer:
         self.resets = 0  # streams that ended before their first answer (see `expect`)
 
     @asynccontextmanager
-    async def stream(self, target: Target, verb: str, version: int = 2):
+    async def stream(self, target: Target, verb: str, version: int = PROTOCOL_VERSION):
         stream = await RawStream.open(self.p2p, target.peer, verb, version)
         self.streams += 1
         try:
@@ -245,7 +246,7 @@ async def bad_pass(fz: Fuzzer, rng: random.Random, target: Target) -> None:
     elif what == "adapter":
         msg["active_adapter"] = "nope"
     elif what == "version":
-        msg["protocol_version"] = rng.choice([1, 3])
+        msg["protocol_version"] = rng.choice([1, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1])
     elif verb == "backward":  # grad
         tensors["grad_output"] = rng.choice([randn(rng, b, t + 1, H), torch.ones(b, t, H, dtype=torch.int64),
                                              torch.full((b, t, H), float("nan"))])

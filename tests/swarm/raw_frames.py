@@ -35,7 +35,7 @@ MAX_SESSION_LENGTH = 1024  # the test servers' --max-session-length (conftest.SE
 REQUIRED_TENSORS = {"hidden", "grad_output", "payload"}
 # values no field of its message accepts (pydantic's lax mode would take "1" for an int, so none of these look like one)
 BAD_VALUES = {
-    "protocol_version": [1, 3, -1, "x", None, 1.5], "blocks": [None, "0:2", [0, 2], {"start": 2, "end": 1},
+    "protocol_version": [1, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, -1, "x", None, 1.5], "blocks": [None, "0:2", [0, 2], {"start": 2, "end": 1},
                                                             {"start": -1, "end": 1}, {"start": 0}],
     "max_length": [0, -1, MAX_SESSION_LENGTH + 1, 1 << 21, "x", None], "batch_size": [0, -1, 1025, 2.5, "x"],
     "alloc_timeout": [-1.0, 4000.0, float("nan"), float("inf"), "x"], "active_adapter": [5, "nope", "x" * 5000, [1]],
@@ -173,7 +173,8 @@ def mangled(msg: dict, tensors: dict[str, torch.Tensor], rng: random.Random) -> 
         if rng.random() < 0.2:
             del header["v"]
         else:
-            header["v"] = rng.choice([1, 3, 0, -1, "2", None, [2], True])
+            header["v"] = rng.choice([1, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, 0, -1, str(PROTOCOL_VERSION), None,
+                                      [PROTOCOL_VERSION], True])
     elif what in ("no_msg", "no_tensors"):
         del header[what[3:]]
     elif what == "tensors_not_list":

@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 
 from conftest import start_named_servers
+from corolla.protocol import PROTOCOL_VERSION
 from corolla.cli.local_swarm import LocalSwarm
 from fuzz_cases import H, Fuzzer, Target, Walk, bad_step, partial, randn, step_frame, valid_step
 from hostile import HOSTILE_ARGS, SESSION_TIMEOUT, HonestClients, LoopNode, ServerWatch, log_problems
@@ -53,7 +54,7 @@ async def churn_session(fz: Fuzzer, rng: random.Random, target: Target) -> None:
     walk = Walk(batch, max_length, blocks["end"] - blocks["start"])
     opened = {"ok:session_opened", "error:server_full"}  # the cache may stay full for the whole allocation wait
     async with fz.stream(target, "inference") as stream:
-        await stream.write(tensor_frame({"kind": "open_session", "protocol_version": 2, "blocks": blocks, "batch_size": batch,
+        await stream.write(tensor_frame({"kind": "open_session", "protocol_version": PROTOCOL_VERSION, "blocks": blocks, "batch_size": batch,
                                          "max_length": max_length, "alloc_timeout": rng.uniform(0, 1.5)}, {}))
         if mode in ("vanish_while_opening", "queue_and_vanish"):
             stream.abort() if rng.random() < 0.5 else stream.close()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import wait_until
+from corolla.protocol import PROTOCOL_VERSION
 from corolla.cli.local_swarm import LocalSwarm
 from corolla.protocol.errors import ProtocolError
 from corolla.protocol.framing import MAX_HEADER_BYTES, decode_frame
@@ -107,7 +108,7 @@ def answer(node: LoopNode, peer: str, verb: str, data: bytes, wait: float = 30.0
     return node.run(go())
 
 
-FORWARD = {"kind": "forward", "protocol_version": 2, "blocks": {"start": 0, "end": 2}}
+FORWARD = {"kind": "forward", "protocol_version": PROTOCOL_VERSION, "blocks": {"start": 0, "end": 2}}
 
 
 @pytest.mark.parametrize("shape", [[0, 1 << 62, 1 << 62], [True, 1, 64], [0, 1 << 63]])
@@ -116,7 +117,7 @@ def test_shapes_with_bool_or_huge_dimensions_are_bad_requests_not_internal_error
     reached the client as `internal` errors."""
     swarm, node, _ = hostile
     outcome, msg = answer(node, swarm.peer_ids["a"], "forward",
-                          frame({"v": 2, "msg": FORWARD, "tensors": [["hidden", "float32", shape]]}))
+                          frame({"v": PROTOCOL_VERSION, "msg": FORWARD, "tensors": [["hidden", "float32", shape]]}))
     assert outcome == "error:bad_request" and "bad shape" in msg["message"], msg
 
 
@@ -130,7 +131,7 @@ def test_a_frame_header_over_64_kib_is_refused_before_it_is_parsed(hostile):
     assert outcome == "error:bad_request" and f"limit of {MAX_HEADER_BYTES} bytes" in msg["message"], msg
     with pytest.raises(ProtocolError, match="frame header of"):
         decode_frame((MAX_HEADER_BYTES + 1).to_bytes(4, "big") + bytes(MAX_HEADER_BYTES + 1))
-    decode_frame(frame({"v": 2, "msg": {"kind": "info"}, "tensors": []})[8:])  # small headers still pass
+    decode_frame(frame({"v": PROTOCOL_VERSION, "msg": {"kind": "info"}, "tensors": []})[8:])  # small headers still pass
 
 
 def test_a_stream_that_never_says_anything_is_answered_within_the_session_timeout(hostile):
@@ -149,7 +150,7 @@ def test_a_session_refuses_a_frame_longer_than_any_of_its_steps_unread(hostile):
     async def go():
         stream = await RawStream.open(node.p2p, swarm.peer_ids["a"], "inference")
         try:
-            await stream.write(frame({"v": 2, "msg": {"kind": "open_session", "protocol_version": 2,
+            await stream.write(frame({"v": PROTOCOL_VERSION, "msg": {"kind": "open_session", "protocol_version": PROTOCOL_VERSION,
                                                       "blocks": {"start": 0, "end": 2}, "max_length": 8}, "tensors": []}))
             assert (await stream.answer(30))[0] == "ok:session_opened"
             await stream.write((1 << 20).to_bytes(8, "big"))  # 1 MiB announced for a (1, 8) session, none of it sent
@@ -199,7 +200,7 @@ def test_a_session_whose_client_never_reads_is_closed_and_its_cache_freed(hostil
 
     async def flood() -> RawStream:
         stream = await RawStream.open(node.p2p, swarm.peer_ids["a"], "inference")
-        await stream.write(frame({"v": 2, "msg": {"kind": "open_session", "protocol_version": 2, "batch_size": 3,
+        await stream.write(frame({"v": PROTOCOL_VERSION, "msg": {"kind": "open_session", "protocol_version": PROTOCOL_VERSION, "batch_size": 3,
                                                   "blocks": {"start": 0, "end": 2}, "max_length": 1024}, "tensors": []}))
         assert (await stream.answer(30))[0] == "ok:session_opened"
         step = tensor_frame({"kind": "inference_step", "step_id": 0, "position": 0}, {"hidden": torch.zeros(3, 1000, 64)})
@@ -228,7 +229,7 @@ def test_a_single_token_step_padded_in_every_row_passes_through(hostile):
     async def go():
         stream = await RawStream.open(node.p2p, swarm.peer_ids["b"], "inference")
         try:
-            await stream.write(frame({"v": 2, "msg": {"kind": "open_session", "protocol_version": 2, "batch_size": 2,
+            await stream.write(frame({"v": PROTOCOL_VERSION, "msg": {"kind": "open_session", "protocol_version": PROTOCOL_VERSION, "batch_size": 2,
                                                       "blocks": {"start": 2, "end": 4}, "max_length": 8}, "tensors": []}))
             assert (await stream.answer(30))[0] == "ok:session_opened"
             mask = torch.tensor([[False, True], [True, True]])  # the rows hold 1 and 2 tokens
