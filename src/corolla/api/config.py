@@ -49,9 +49,9 @@ class ApiConfig:
         default=256, metadata=_opt("most streams generating at once (n choices count each); more requests wait")
     )
     pipeline_groups: int = field(
-        default=2,
+        default=1,
         metadata=_opt("streams are split into this many groups that step in turn, so that while one group's step "
-                      "runs on the later servers of the route the next group's runs on the first ones; 1 = one batch"),
+                      "runs on the later servers of the route the next group's runs on the first ones; 1 = one batch (default until measured)"),
     )
     max_n: int = field(default=16, metadata=_opt("largest `n` (choices per prompt) a request may ask for"))
     request_timeout: float = field(default=60.0, metadata=_opt("seconds one step through the swarm may take"))

@@ -14,8 +14,7 @@ keeps serving the P2P streams meanwhile.
 
 Streams are split into `pipeline_groups` groups (a new stream joins the smallest), and each group has its own
 head pass: while one group's step runs on the second server of the route, the next group's runs on the first, so
-the servers of a route work at the same time instead of in turn (on the 8-layer bench model with 2 servers and 16
-streams this took aggregate decode from 25.9 to ... tokens/s). Before a group's head pass, the engine waits for its
+the servers of a route work at the same time instead of in turn (not measured yet, so the default is one group). Before a group's head pass, the engine waits for its
 decode steps still in flight, but only until they are overdue (3x the usual step time after their launch):
 streams that drifted apart (a prefill that finished in between) fall back into one batch within a step, while one
 slow stream (failover) does not hold back the others.
