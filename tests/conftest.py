@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,19 @@ def start_named_servers(
     for proc in procs.values():
         local.wait_ready(proc, ready_timeout)
     return NamedSwarm(model_path, local, peers, procs, {name: _peer_id_from_log(p.tail(200)) for name, p in procs.items()})
+
+
+@pytest.fixture
+def start_swarm(tiny_llama_path: str, tmp_path: Path) -> Iterator[Callable[..., NamedSwarm]]:
+    """start_swarm(name=(blocks, extra args), ...) -> a DHT and those servers over the tiny Llama, all ended after
+    the test."""
+    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
+        def start(**servers: tuple[str, list[str]]) -> NamedSwarm:
+            return start_named_servers(
+                local, tiny_llama_path, {name: ["--blocks", blocks, *extra] for name, (blocks, extra) in servers.items()}
+            )
+
+        yield start
 
 
 def _peer_id_from_log(log: str) -> str:

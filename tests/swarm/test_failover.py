@@ -17,26 +17,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import NamedSwarm, start_named_servers, wait_until
+from conftest import NamedSwarm, wait_until
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.protocol.errors import MissingBlocks
 
 PROMPT = torch.tensor([[1, 11, 22, 33, 44]])
 PREFERRED = ["--throughput", "1000"]  # routes go through this server while it is up
 BACKUP = ["--throughput", "10"]
-
-
-@pytest.fixture
-def start_swarm(tiny_llama_path, tmp_path) -> Iterator[Callable[..., NamedSwarm]]:
-    """start_swarm(name=(blocks, extra args), ...) -> a DHT and those servers, all ended after the test."""
-    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
-        def start(**servers: tuple[str, list[str]]) -> NamedSwarm:
-            return start_named_servers(
-                local, tiny_llama_path, {name: ["--blocks", blocks, *extra] for name, (blocks, extra) in servers.items()}
-            )
-
-        yield start
 
 
 @pytest.fixture(scope="module")

@@ -8,30 +8,18 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import NamedSwarm, start_named_servers
+from conftest import NamedSwarm
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.cli.local_swarm import LocalSwarm
 
 PROMPT = torch.tensor([[1, 11, 22, 33, 44]])
 NEW_TOKENS = 40
 PREFERRED = ["--throughput", "1000"]  # routes go through this server while it is trusted
 BACKUP = ["--throughput", "10"]
-
-
-@pytest.fixture
-def start_swarm(tiny_llama_path, tmp_path) -> Iterator[Callable[..., NamedSwarm]]:
-    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
-        def start(**servers: tuple[str, list[str]]) -> NamedSwarm:
-            return start_named_servers(
-                local, tiny_llama_path, {name: ["--blocks", blocks, *extra] for name, (blocks, extra) in servers.items()})
-
-        yield start
 
 
 @pytest.fixture(autouse=True)
