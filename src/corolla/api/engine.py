@@ -14,8 +14,9 @@ keeps serving the P2P streams meanwhile.
 
 Streams are split into `pipeline_groups` groups (a new stream joins the smallest), and each group has its own
 head pass: while one group's step runs on the second server of the route, the next group's runs on the first, so
-the servers of a route work at the same time instead of in turn (not measured yet, so the default is one group). Before a group's head pass, the engine waits for its
-decode steps still in flight, but only until they are overdue (3x the usual step time after their launch):
+the servers of a route work at the same time instead of in turn (not measured yet, so the default is one group).
+Before a group's head pass, the engine waits for its decode steps still in flight, but only until they are overdue
+(3x the usual step time after their launch):
 streams that drifted apart (a prefill that finished in between) fall back into one batch within a step, while one
 slow stream (failover) does not hold back the others.
 Prefills run beside the decode steps and join the next batch. Finished sessions are kept (sessions.IdleSessions) so a follow-up prompt sends only its new tokens; when a
@@ -351,8 +352,8 @@ class BatchedEngine:
             pass
 
     def _next_group(self) -> int:
-        """The group to run a head pass for: of those with a stream ready, the one whose ready stream has waited
-        longest (its step came back first)."""
+        """The group to run a head pass for: of those with a stream ready, the one whose ready stream's step was
+        launched earliest."""
         ready = [a for a in self._active.values() if a.hidden is not None]
         return min(ready, key=lambda a: a.launched).group
 
