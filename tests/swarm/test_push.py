@@ -14,7 +14,7 @@ from corolla.client.event_loop import run_sync
 from corolla.protocol import rpc_handler_name
 from corolla.protocol.framing import read_frame, write_frame
 from corolla.protocol.messages import ErrorReply, PushStep
-from test_failover import BACKUP, PREFERRED, PROMPT, ActAfter, client, start_swarm  # noqa: F401 (fixture)
+from test_failover import BACKUP, PREFERRED, PROMPT, ActAfter, client  # noqa: F401 (fixture)
 
 THREE = {"first": "0:1", "middle": "1:3", "last": "3:4"}
 
