@@ -6,12 +6,15 @@ Modes, each on the same prompts and the same swarm:
 * prompt_lookup   - `prompt_lookup_num_tokens=K`: drafts copied from the context (no model);
 * draft           - `assistant_model=` the demo model's shipped draft (corolla/demo_draft), its generation_config's
                     num_assistant_tokens;
+* plain_relay     - (with --relay-baseline) plain decoding with `ClientConfig(push=False)`: the client relays every
+                    hop, Petals' structure; the summary's `decode_speedup_vs_relay` compares every mode with it;
 * plain_sampling, draft_sampling - (with --sampling) T=0.8, top_p=0.9 without and with the draft: their tokens
                     differ by design (the target distribution is kept, not the draws), so only round trips and speed
                     are compared.
 
 Measured per run (a fresh inference session each): round trips = the session's `steps` (steps sent through the
-chain), tokens per round trip = new tokens / round trips, time to first token, and decode tokens/s =
+chain), tokens per round trip = new tokens / round trips, client requests per token = the session's `exchanges`
+(requests the client sent and waited for: one per step in push mode, one per server in relay mode) / new tokens, time to first token, and decode tokens/s =
 (new tokens - 1) / (time of the last token - time of the first), from a streamer's timestamps, and the time per
 round trip spent in the swarm (inside session steps) and in the client (drafting, heads, sampling). Medians over repeats
 after one untimed warm-up. Greedy modes must give plain's tokens exactly (`identical_tokens`).
@@ -43,6 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from corolla import AutoDistributedModelForCausalLM
 from corolla.checkpoint import load_config
+from corolla.client.config import ClientConfig
 from corolla.cli.demo_cmd import demo_draft_path, demo_model_path
 from corolla.cli.local_swarm import LocalSwarm
 from corolla.models import get_family
@@ -90,12 +94,12 @@ def run_once(model, ids: torch.Tensor, new_tokens: int, kwargs: dict[str, Any], 
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, streamer=clock, eos_token_id=None, **kwargs)
         total = time.perf_counter() - start
-        steps = session.steps
+        steps, exchanges = session.steps, session.exchanges
     new = out.shape[1] - ids.shape[1]
     decode = clock.times[-1] - clock.times[0] if len(clock.times) > 1 else float("nan")
     return {
         "tokens": out[0, ids.shape[1]:].tolist(), "new_tokens": new, "round_trips": steps,
-        "tokens_per_round_trip": new / steps, "time_to_first_token_s": clock.times[0] - start, "total_s": total,
+        "tokens_per_round_trip": new / steps, "client_requests_per_token": exchanges / new, "time_to_first_token_s": clock.times[0] - start, "total_s": total,
         "swarm_ms_per_round_trip": 1e3 * sum(in_swarm) / steps,
         "client_ms_per_round_trip": 1e3 * (total - sum(in_swarm)) / steps,
         "decode_tokens_per_s": (new - 1) / decode if new > 1 else float("nan"),
@@ -128,7 +132,7 @@ def projected_tokens_per_s(result: dict[str, Any], added_rtt_ms: float, crossing
 
 def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_path: str | None = None, *,
             prompts: dict[str, str] | None = None, new_tokens: int = 128, repeats: int = 3, sampling: bool = False,
-            lookup_tokens: int = LOOKUP_TOKENS) -> dict[str, Any]:
+            lookup_tokens: int = LOOKUP_TOKENS, relay_baseline: bool = False) -> dict[str, Any]:
     """Plain vs speculative decoding through the swarm at `initial_peers` (the demo model and its draft unless given).
 
     Returns {"runs": {mode: {prompt: medians...}}, "summary": {mode: ...}}; greedy modes record whether their tokens
@@ -140,6 +144,7 @@ def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_p
     model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=list(initial_peers),
                                                             torch_dtype=torch.float32)
     draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
+    clients = {"push": model}
     modes: dict[str, tuple[dict[str, Any], int | None]] = {
         "plain": ({}, None),
         "prompt_lookup": ({"prompt_lookup_num_tokens": lookup_tokens}, None),
@@ -149,25 +154,32 @@ def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_p
         settings = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 0}
         modes["plain_sampling"] = (settings, 0)
         modes["draft_sampling"] = ({"assistant_model": draft, **settings}, 0)
+    if relay_baseline:  # a second client on the same swarm that relays every hop
+        clients["relay"] = AutoDistributedModelForCausalLM.from_pretrained(
+            model_path, initial_peers=list(initial_peers), torch_dtype=torch.float32,
+            client_config=ClientConfig(push=False))
+        modes["plain_relay"] = ({}, None)
     runs: dict[str, dict[str, Any]] = {mode: {} for mode in modes}
     try:
         for name, text in prompts.items():
             ids = tokenizer(text, return_tensors="pt")["input_ids"]
             for mode, (kwargs, seed) in modes.items():
-                run_once(model, ids, new_tokens, kwargs, seed)  # warm-up
-                results = [run_once(model, ids, new_tokens, kwargs, seed) for _ in range(repeats)]
+                client = clients["relay" if mode == "plain_relay" else "push"]
+                run_once(client, ids, new_tokens, kwargs, seed)  # warm-up
+                results = [run_once(client, ids, new_tokens, kwargs, seed) for _ in range(repeats)]
                 if any(r["tokens"] != results[0]["tokens"] for r in results):
                     raise RuntimeError(f"{mode} on {name}: tokens changed between runs")
                 runs[mode][name] = _medians(results)
                 log(f"{name:10s} {mode:14s} {runs[mode][name]['tokens_per_round_trip']:.2f} tokens/round trip, "
                     f"{runs[mode][name]['decode_tokens_per_s']:.1f} tokens/s")
     finally:
-        model.shutdown()
+        for client in clients.values():
+            client.shutdown()
     return {"runs": _without_tokens(runs), "summary": _summary(runs, modes)}
 
 
 def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("round_trips", "tokens_per_round_trip", "time_to_first_token_s", "total_s", "decode_tokens_per_s",
+    keys = ("round_trips", "tokens_per_round_trip", "client_requests_per_token", "time_to_first_token_s", "total_s", "decode_tokens_per_s",
             "swarm_ms_per_round_trip", "client_ms_per_round_trip")
     out = {key: round(statistics.median(r[key] for r in results), 4) for key in keys}
     return {**out, "new_tokens": results[0]["new_tokens"], "tokens": results[0]["tokens"]}
@@ -184,6 +196,10 @@ def _summary(runs: dict[str, dict[str, Any]], modes: dict[str, Any]) -> dict[str
                      "round_trip_ratio_vs_plain": round(plain[name]["round_trips"] / result["round_trips"], 3),
                      "projected_speedup_at_50ms_rtt_2_crossings": round(
                          projected_tokens_per_s(result, 50, 2) / projected_tokens_per_s(plain[name], 50, 2), 2)}
+            if "plain_relay" in runs and modes[mode][1] is None:
+                relay = runs["plain_relay"][name]
+                entry["decode_speedup_vs_relay"] = round(result["decode_tokens_per_s"] / relay["decode_tokens_per_s"], 3)
+                entry["ttft_vs_relay"] = round(result["time_to_first_token_s"] / relay["time_to_first_token_s"], 3)
             if modes[mode][1] is None:  # greedy: must be plain's tokens
                 entry["identical_tokens"] = result["tokens"] == plain[name]["tokens"]
             per_prompt[name] = entry
@@ -206,11 +222,15 @@ def main() -> None:
     parser.add_argument("--lookup-tokens", type=int, default=LOOKUP_TOKENS, help="prompt_lookup_num_tokens")
     parser.add_argument("--sampling", action="store_true", help="also the draft with sampling (T=0.8, top_p=0.9)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the client (servers: 1 each)")
+    parser.add_argument("--relay-baseline", action="store_true",
+                        help="also plain decoding with the client relaying every hop (push=False)")
+    parser.add_argument("--prompts", nargs="+", choices=tuple(PROMPTS), default=None, help="a subset of the prompts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_path = args.model or str(demo_model_path())
     options = dict(new_tokens=args.new_tokens, repeats=args.repeats, sampling=args.sampling,
-                   lookup_tokens=args.lookup_tokens)
+                   lookup_tokens=args.lookup_tokens, relay_baseline=args.relay_baseline,
+                   prompts={name: PROMPTS[name] for name in args.prompts} if args.prompts else None)
     report: dict[str, Any] = {
         "benchmark": "bench_speculative", "model": model_path, "draft": args.draft or str(demo_draft_path()),
         "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),

@@ -10,11 +10,16 @@ hosts the same round trip apart. Per round trip:
   Today's protocol relays every hop through the client (client -> s1 -> client -> s2 -> client), so a decode step
   costs one round trip per server: `expected_round_trips_per_token` states that baseline;
 - whether greedy generation equals the local HF model's.
+With `--model demo` the servers hold the bundled demo model instead, and `--speculative` then also runs
+bench_speculative.py on the client's host against that swarm: plain decoding with push and with the client relaying
+every hop, prompt lookup and the demo draft (push), on a repetitive and a chat prompt, identical tokens required;
+it reports decode tokens/s against plain relay and the client requests per token counted by the session.
 At the end, one server is restarted with an identity file that already exists (a server coming back after a crash):
 `join_with_identity_s`.
 
     sudo python bench/bench_wan.py                        # 0/20/50/100 ms, 2 servers (~4 min)
     sudo python bench/bench_wan.py --rtts 0 50 --servers 3 --new-tokens 32 --repeats 5
+    sudo python bench/bench_wan.py --rtts 50 --servers 3 --model demo --speculative
 Prints one JSON object on stdout; progress goes to stderr.
 """
 
@@ -29,8 +34,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from corolla.cli.demo_cmd import demo_model_path
 from corolla.netemu import Agent, EmulatedNetwork, can_emulate, start_dht, start_server
 from corolla.netemu.swarm import join_time
 
@@ -79,6 +85,7 @@ def run_rtt(model: str, rtt_ms: float, args: argparse.Namespace, reference: list
             matches = client.generate(ids, args.new_tokens) == reference
             timed = client.request("timed_decode", ids=ids.tolist(), new_tokens=args.new_tokens, repeats=args.repeats,
                                    timeout=600)
+            exchanges = timed.get("exchanges_per_token")
             client.proc.stop()
             if not timed["ok"]:
                 raise RuntimeError(f"timed decode failed: {timed['error']}")
@@ -92,10 +99,14 @@ def run_rtt(model: str, rtt_ms: float, args: argparse.Namespace, reference: list
                 "round_trips_per_token": round(decode / measured, 2) if rtt_ms > 0 else None,
                 "round_trips_to_first_token": round(ttft / measured, 2) if rtt_ms > 0 else None,
                 "expected_round_trips_per_token": 1 + (args.servers - 1) / 2 if mode == "push" else args.servers,
+                # counted by the session: requests the client sent and waited for, per decoded token
+                "client_requests_per_token": exchanges,
                 "greedy_matches_hf": matches,
             }
         if {"push", "relay"} <= set(args.modes):
             result["push_speedup"] = round(result["relay"]["decode_ms_per_token"] / result["push"]["decode_ms_per_token"], 3)
+        if args.speculative:
+            result["speculative"] = run_speculative(net, model, peers, args)
         if rtt_ms == args.rtts[-1] and args.restart:  # a server coming back: restart s0 with its (now existing) identity
             procs[0].stop()
             again = start_server(net, "s0", model, peers, *SERVER_ARGS, "--blocks", spans(args.layers, args.servers)[0],
@@ -109,6 +120,19 @@ def run_rtt(model: str, rtt_ms: float, args: argparse.Namespace, reference: list
             result["python_imports_s"] = round(time.monotonic() - begin, 3)
         log(f"rtt {rtt_ms} ms: {json.dumps(result)}")
         return result
+
+
+def run_speculative(net, model: str, peers: list[str], args: argparse.Namespace) -> dict:
+    """bench_speculative.py on the client's host against this swarm (plain push/relay, prompt lookup, demo draft)."""
+    argv = [sys.executable, str(Path(__file__).with_name("bench_speculative.py")), "--initial-peers", *peers,
+            "--model", model, "--relay-baseline", "--prompts", "repetitive", "chat",
+            "--new-tokens", str(args.speculative_tokens), "--repeats", str(args.repeats)]
+    done = net.run("client", argv, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_speculative failed: {done.stderr[-3000:]}")
+    report = json.loads(done.stdout)
+    log(f"speculative: {json.dumps(report['summary'])}")
+    return {"runs": report["runs"], "summary": report["summary"]}
 
 
 def main() -> int:
@@ -125,16 +149,27 @@ def main() -> int:
                         help="push: servers send each step's output straight to the next server; relay: the client "
                              "relays every hop")
     parser.add_argument("--log", default=None, help="write every process's output to this file")
+    parser.add_argument("--model", choices=("tiny", "demo"), default="tiny",
+                        help="tiny: a random-weight Llama of --layers blocks; demo: the bundled demo model (6 blocks)")
+    parser.add_argument("--speculative", action="store_true",
+                        help="also speculative decoding vs relay (bench_speculative.py; needs --model demo)")
+    parser.add_argument("--speculative-tokens", type=int, default=64, help="new tokens per speculative run")
     args = parser.parse_args()
+    if args.speculative and args.model != "demo":
+        parser.error("--speculative needs --model demo (the draft model is the demo model's)")
     usable, why = can_emulate()
     if not usable:
         print(json.dumps({"error": f"emulated hosts unavailable: {why}"}))
         return 2
     with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp, \
             open(args.log or Path(tmp) / "processes.log", "w") as log_file:
-        model = build_model(Path(tmp) / "tiny-llama", args.layers)
+        if args.model == "demo":
+            model, args.layers = str(demo_model_path()), 6
+        else:
+            model = build_model(Path(tmp) / "tiny-llama", args.layers)
         torch.manual_seed(1)
-        ids = torch.randint(3, TINY["vocab_size"], (1, args.prompt_tokens))
+        vocab = AutoConfig.from_pretrained(model).vocab_size
+        ids = torch.randint(3, vocab, (1, args.prompt_tokens))
         hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
         with torch.no_grad():
             reference = hf.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0).tolist()
@@ -143,7 +178,7 @@ def main() -> int:
         identities.mkdir()
         results = [run_rtt(model, rtt, args, reference, ids, identities, log_file) for rtt in args.rtts]
     print(json.dumps({
-        "servers": args.servers, "layers": args.layers, "new_tokens": args.new_tokens,
+        "servers": args.servers, "model": args.model, "layers": args.layers, "new_tokens": args.new_tokens,
         "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "rate_mbit": args.rate_mbit,
         "protocol": "push: client -> s0 -> s1 -> ... -> client (one crossing per hop plus one back); "
                     "relay: the client relays every hop (one round trip per server)",

@@ -1,7 +1,8 @@
 """Every supported model family through a real swarm, exact against its local HF model.
 
 One swarm per family (a DHT peer and two servers splitting the 4 blocks as 0:2 and 2:4), shared by that
-family's tests. The checkpoints are tiny random ones written here by transformers' own `save_pretrained`.
+family's tests. The client pushes steps server to server (the default); greedy generation is also checked with the
+client relaying every hop (`push=False`). The checkpoints are tiny random ones written here by transformers' own `save_pretrained`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from transformers import (
 )
 
 from conftest import start_named_servers
-from corolla import AutoDistributedModelForCausalLM
+from corolla import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.cli.local_swarm import LocalSwarm
 
 VOCAB = 128
@@ -57,7 +58,7 @@ def write_checkpoint(directory: Path, case: str) -> Path:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def family(request, tmp_path_factory: pytest.TempPathFactory):
-    """(case name, checkpoint path, distributed model, HF reference) with a live two-server swarm behind it."""
+    """(case name, distributed model, HF reference, initial peers) with a live two-server swarm behind it."""
     case = request.param
     path = str(write_checkpoint(tmp_path_factory.mktemp("ckpt") / case, case))
     log_path = tmp_path_factory.mktemp("logs") / f"{case}.log"
@@ -68,29 +69,40 @@ def family(request, tmp_path_factory: pytest.TempPathFactory):
         model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=peers, torch_dtype=torch.float32)
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         try:
-            yield case, model, reference
+            yield case, model, reference, peers
         finally:
             model.shutdown()
 
 
 def test_swarm_logits_match_local_model(family):
-    _, model, reference = family
+    _, model, reference, _ = family
     ids = torch.randint(3, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(ids).logits
     torch.testing.assert_close(model(ids).logits, expected, atol=1e-4, rtol=0)
 
 
-def test_greedy_generation_equals_hf_generate(family):
-    _, model, reference = family
+@pytest.mark.parametrize("push", [True, False], ids=["push", "relay"])
+def test_greedy_generation_equals_hf_generate(family, push):
+    case, model, reference, peers = family
     ids = torch.tensor([[1, 17, 42, 99, 5, 8, 13]])
     expected = reference.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
     assert len(set(expected[0, ids.shape[1]:].tolist())) > 2, "degenerate checkpoint: greedy output barely varies"
-    assert torch.equal(model.generate(ids, max_new_tokens=20, eos_token_id=None), expected)
+    if not push:
+        model = AutoDistributedModelForCausalLM.from_pretrained(model.config.name_or_path, initial_peers=peers,
+                                                                torch_dtype=torch.float32,
+                                                                client_config=ClientConfig(push=False))
+    try:
+        with model.inference_session(max_length=64) as session:
+            assert torch.equal(model.generate(ids, max_new_tokens=20, eos_token_id=None, session=session), expected)
+            assert session.pushed_steps == (session.steps if push else 0) and session.steps == 20, case
+    finally:
+        if not push:
+            model.shutdown()
 
 
 def test_two_turn_session_equals_fresh_run_of_concatenated_prompt(family):
-    _, model, reference = family
+    _, model, reference, _ = family
     first, second = torch.tensor([[1, 5, 9, 33]]), torch.tensor([[70, 71]])
     with model.inference_session(max_length=64) as session:
         turn1 = model.generate(first, max_new_tokens=6, session=session, eos_token_id=None)
@@ -101,7 +113,7 @@ def test_two_turn_session_equals_fresh_run_of_concatenated_prompt(family):
 
 def test_left_padded_batch_equals_each_prompt_alone(family):
     """Padded slots are skipped on the servers: positions (rotary, ALiBi) and keys count only real tokens."""
-    _, model, reference = family
+    _, model, reference, _ = family
     prompts = [[1, 5, 9], [1, 17, 42, 99, 5, 8], [1, 70, 71, 33]]
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])

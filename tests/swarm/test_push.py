@@ -25,21 +25,23 @@ def expected(tiny_llama_path) -> torch.Tensor:
     return reference.generate(PROMPT, max_new_tokens=30, do_sample=False)
 
 
-def generate(model, streamer=None) -> tuple[torch.Tensor, list[str], int, int]:
-    """30 greedy tokens in one session: them, the peers the session ended on, its steps and its pushed steps."""
+def generate(model, streamer=None) -> tuple[torch.Tensor, list[str], int, int, int]:
+    """30 greedy tokens in one session: them, the peers the session ended on, its steps, its pushed steps and its
+    exchanges (requests the client waited for)."""
     with model.inference_session(max_length=64) as session:
         out = model.generate(PROMPT, max_new_tokens=30, session=session, streamer=streamer)
-        return out, [s.span.peer_id for s in session._spans], session.steps, session.pushed_steps
+        return out, [s.span.peer_id for s in session._spans], session.steps, session.pushed_steps, session.exchanges
 
 
 @pytest.mark.parametrize("push", [True, False])
 def test_three_servers_give_hf_greedy_output_in_push_and_relay_mode(start_swarm, expected, push):
     swarm = start_swarm(**{name: (blocks, []) for name, blocks in THREE.items()})
     with client(swarm, push=push) as model:
-        out, peers, steps, pushed = generate(model)
+        out, peers, steps, pushed, exchanges = generate(model)
     assert torch.equal(out, expected)
     assert peers == [swarm.peer_ids[name] for name in THREE]
     assert pushed == (steps if push else 0)
+    assert exchanges == (steps if push else len(THREE) * steps)  # one request per step, or one per server
 
 
 @pytest.mark.parametrize("position", ["first", "middle", "last"])
@@ -49,7 +51,7 @@ def test_a_server_killed_at_each_position_of_a_push_route_keeps_greedy_output_id
     swarm = start_swarm(**servers)
     with client(swarm) as model:
         streamer = ActAfter(10, lambda: swarm.local.kill(swarm.procs[position], signal.SIGKILL))
-        out, peers, steps, pushed = generate(model, streamer)
+        out, peers, steps, pushed, _ = generate(model, streamer)
     assert torch.equal(out, expected)
     assert peers == [swarm.peer_ids["replica" if name == position else name] for name in THREE]
     assert pushed >= steps - 2  # every step went by push but the one that met the dead server
@@ -62,7 +64,7 @@ def test_a_middle_server_that_fails_or_drops_a_pushed_step_is_routed_around(star
     swarm = start_swarm(**servers)
     with client(swarm, request_timeout=3.0) as model:
         streamer = ActAfter(10, lambda: swarm.procs["middle"].popen.send_signal(signal.SIGUSR1))
-        out, peers, _, _ = generate(model, streamer)
+        out, peers, _, _, _ = generate(model, streamer)
     assert torch.equal(out, expected)
     assert peers == [swarm.peer_ids[name] for name in ("first", "replica", "last")]
 

@@ -165,6 +165,8 @@ class InferenceSession:
     `take_call` reads a `generate` call's ids against the tokens held (the rule is in client.session_state).
     `step`, `feed` and `close` have `_async` twins for code on the client's event loop (client.event_loop).
     `steps` counts the steps sent so far: one trip through the servers' chain each (what speculative decoding saves).
+    `exchanges` counts the requests the client sent and waited for (failover replays included): one per step in push
+    mode, one per span in relay mode; what a benchmark reports as the client's round trips.
     """
 
     def __init__(self, manager: SequenceManager, max_length: int, batch_size: int = 1, *, start: int = 0, end: int | None = None,
@@ -195,6 +197,7 @@ class InferenceSession:
         # spot checks of this session's servers (client.spot_checks), None when ClientConfig.verify_rate is 0
         self.checks: SessionChecks | None = SessionChecks(client_checks(manager)) if manager.config.verify_rate > 0 else None
         self.pushed_steps = 0  # steps that went server to server all the way (push mode, no hop failed)
+        self.exchanges = 0  # requests sent to a server and waited for (see the class docstring)
 
     # ------------------------------------------------------------------ what the session holds
     @property
@@ -379,6 +382,7 @@ class InferenceSession:
             for span in spans[1:]:
                 span.step_id += 1  # the step id each later server answers the pushed step with
             await spans[0].send(hidden, position, mask, hypo_ids, route)
+            self.exchanges += 1
             while index < len(spans):
                 x = await spans[index].receive(x, position, timeout, hypo_ids)
                 self.manager.forgive(spans[index].span.peer_id)
@@ -405,6 +409,7 @@ class InferenceSession:
                 if failed is not None:
                     error, failed = failed, None
                     raise error
+                self.exchanges += 1
                 x_out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids)
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, failures, span.span)
@@ -474,6 +479,7 @@ class InferenceSession:
                 for session in opened:
                     span = session.span
                     if x is not None and x.shape[1] > 0:
+                        self.exchanges += 1
                         x = await session.step(x, 0, self.config.request_timeout, self._state.replay_mask(x.shape[1]))
                         if span is route[-1]:  # spot checks: only its later outputs leave the route
                             session.first_output = x.shape[1]

@@ -8,7 +8,8 @@ one JSON line per command:
     {"op": "servers"}            -> {"ok": true, "blocks": [{peer: {"state", "relayed", "maddrs"}}, ...]} (fresh DHT read)
     {"op": "route"}              -> {"ok": true, "route": [[peer, start, end], ...]} (an inference route now)
     {"op": "timed_decode", "ids": [[...]], "new_tokens": N, "repeats": R}
-                                  -> {"ok": true, "ttft_s": [...], "decode_s_per_token": [...]}
+                                  -> {"ok": true, "ttft_s": [...], "decode_s_per_token": [...],
+                                      "exchanges_per_token": x (requests the client waited for, counted, per decode step)}
 A failed command answers {"ok": false, "error": "..."}; the agent keeps running until stdin closes.
 """
 
@@ -79,8 +80,9 @@ def handle(command: dict, model, manager, run_sync, torch) -> dict:
 
 
 def timed_decode(model, ids, new_tokens: int, repeats: int, torch) -> dict:
-    """Greedy decoding by hand: time to first token (session open + prefill) and seconds per further token."""
-    ttft, per_token = [], []
+    """Greedy decoding by hand: time to first token (session open + prefill) and seconds per further token; the
+    session's counted exchanges (client.inference_session) per decode step, median over the repeats."""
+    ttft, per_token, exchanges = [], [], []
     with torch.no_grad():
         for _ in range(repeats):
             begin = time.perf_counter()
@@ -88,13 +90,15 @@ def timed_decode(model, ids, new_tokens: int, repeats: int, torch) -> dict:
                 hidden = session.step(model.head.embed(ids))
                 token = model.head.logits(hidden[:, -1:]).argmax(-1)  # (B, 1)
                 first = time.perf_counter()
+                before = session.exchanges
                 for _ in range(new_tokens - 1):
                     hidden = session.step(model.head.embed(token))
                     token = model.head.logits(hidden[:, -1:]).argmax(-1)
                 done = time.perf_counter()
+                exchanges.append((session.exchanges - before) / max(1, new_tokens - 1))
             ttft.append(first - begin)
             per_token.append((done - first) / max(1, new_tokens - 1))
-    return {"ttft_s": ttft, "decode_s_per_token": per_token}
+    return {"ttft_s": ttft, "decode_s_per_token": per_token, "exchanges_per_token": sorted(exchanges)[len(exchanges) // 2]}
 
 
 if __name__ == "__main__":
