@@ -102,8 +102,10 @@ class PushPool:
                 if isinstance(message, ErrorReply):
                     logger.info("push to %s refused: %s", peer_id, message.message)
                     self.refusals = [*self.refusals[-15:], message.message]
-        except Exception:  # the stream ended: the next send reopens it
-            self._drop(peer_id, cancel=False)
+        except Exception:  # the stream ended: the next send reopens it (unless a send already replaced it)
+            current = self._streams.get(peer_id)
+            if current is not None and current[0] is reader:
+                self._drop(peer_id, cancel=False)
 
     def _drop(self, peer_id: str, cancel: bool = True) -> None:
         entry = self._streams.pop(peer_id, None)
