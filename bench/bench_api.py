@@ -10,10 +10,13 @@ id; every id then decodes to text, so every token is one streamed chunk). Prompt
 2. aggregate decode tokens/s of 1/4/16 concurrent streaming clients (all decode tokens / (last token - first
    token)), beside local HF generating the same 16 prompts as one batch with 2 torch threads; goal: >= 0.8x at 16;
 3. a follow-up turn's time to first token with prefix reuse (its prompt extends the previous request's tokens)
-   against a prompt of the same length that shares nothing (a fresh prefill).
+   against a prompt of the same length that shares nothing (a fresh prefill);
+4. with `--pipeline-groups 1,2`: the largest stream count again against one `corolla api` per group count, all
+   on the same swarm, run in turn `--repeats` times (medians), to decide the `--pipeline-groups` default.
 
     python bench/bench_api.py                       # tinyllama8 (built once into the cache dir), a few minutes
     python bench/bench_api.py --model demo --streams 1,4 --new-tokens 16 --repeats 1   # smoke test, ~1-2 min
+    python bench/bench_api.py --streams 16 --new-tokens 64 --pipeline-groups 1,2      # groups only
 
 Prints one JSON object on stdout; progress goes to stderr. The API and the servers use one torch thread each.
 """
@@ -238,6 +241,29 @@ def prefix_reuse(url: str, path: Path, history_tokens: int, reply_tokens: int, n
             "runs_with": [round(x, 4) for x in out["reused"]], "runs_without": [round(x, 4) for x in out["fresh"]]}
 
 
+def compare_groups(path: Path, peers: list[str], env: dict[str, str], groups: list[int], batch: list[list[int]],
+                   count: int, new_tokens: int, repeats: int) -> dict:
+    """Aggregate decode tokens/s of `count` streams through one `corolla api --pipeline-groups g` per g, the APIs
+    taking turns `repeats` times after one warm-up each (medians)."""
+    apis = {}
+    try:
+        for g in groups:
+            apis[g] = ApiServer(path, peers, env, ["--pipeline-groups", str(g)])
+            api_concurrent(apis[g].url, batch, count, min(new_tokens, 8))  # warm-up
+        runs: dict[int, list[float]] = {g: [] for g in groups}
+        for _ in range(repeats):
+            for g in groups:
+                runs[g].append(api_concurrent(apis[g].url, batch, count, new_tokens)["aggregate_decode_tokens_per_s"])
+                log(f"pipeline groups {g}: {runs[g][-1]} tokens/s")
+    finally:
+        for api in apis.values():
+            api.close()
+    medians = {str(g): round(statistics.median(r), 2) for g, r in runs.items()}
+    base = medians[str(groups[0])]
+    return {"streams": count, "runs": {str(g): r for g, r in runs.items()}, "median_tokens_per_s": medians,
+            f"ratio_vs_{groups[0]}": {g: round(m / base, 3) for g, m in medians.items()}}
+
+
 def summarize(runs: list[dict]) -> dict:
     return {"ttft_s": round(statistics.median(r["ttft_s"] for r in runs), 4),
             "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in runs), 2),
@@ -254,8 +280,11 @@ def main() -> int:
     parser.add_argument("--history-tokens", type=int, default=384,
                         help="tokens of the first turn in the prefix-reuse measurement")
     parser.add_argument("--cache-dir", default=None, help="where bench_generate.py keeps its checkpoints")
+    parser.add_argument("--pipeline-groups", default=None,
+                        help="e.g. 1,2: only compare `corolla api --pipeline-groups` values at the largest --streams")
     args = parser.parse_args()
     counts = [int(c) for c in args.streams.split(",")]
+    groups = [int(g) for g in args.pipeline_groups.split(",")] if args.pipeline_groups else None
 
     from corolla.cli.local_swarm import LocalSwarm
 
@@ -275,6 +304,11 @@ def main() -> int:
             servers = [swarm.start_server(str(path), ["--blocks", b, *SERVER_ARGS], wait=False) for b in blocks]
             for proc in servers:
                 swarm.wait_ready(proc)
+            if groups:
+                report = compare_groups(path, peers, env, groups, batch, max(counts), args.new_tokens, args.repeats)
+                report["local_batched"] = local
+                print(json.dumps(report, indent=2))
+                return 0
             log("python api, one stream")
             python = python_api(path, peers, batch[0], args.new_tokens, args.repeats)
             log(f"python api: {python}")
