@@ -66,26 +66,34 @@ def _check_range(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, 
         raise ValueError(f"bad block range {start}:{end} for {len(block_servers)} blocks")
 
 
-def _spans(
+@dataclass(frozen=True)
+class _Server:
+    """A usable server as route finding prices it (the network aside, which relay and push routes price apart)."""
+
+    fixed: float  # seconds charged per span: hop overhead, cache and relay penalties
+    per_block: float  # seconds of compute per block, at its announced throughput
+    stop: int  # end of its range within the route's
+
+
+def _usable(
     block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, banned: frozenset[str] | set[str],
     cache_tokens_needed: int, hop_cost: float, adapter: str | None, allowed_quant: Collection[str] | None,
     relay_cost: float,
-) -> tuple[dict[int, list[tuple[float, str, int]]], dict[str, ServerInfo]]:
-    """Every span a usable server can take within [start, end): block a -> [(cost, peer, b)] for each server that
-    holds [a, b), where cost counts the hop overhead, compute of b - a blocks and the cache and relay penalties
-    (not the network, which relay and push routes price differently); and peer -> its record."""
-    edges: dict[int, list[tuple[float, str, int]]] = {}
+) -> tuple[dict[str, _Server], dict[int, list[str]], dict[str, ServerInfo]]:
+    """The usable servers of [start, end): peer -> its prices, block -> the peers holding it (by peer id), and
+    peer -> its record."""
+    servers: dict[str, _Server] = {}
+    holders: dict[int, list[str]] = {}
     records: dict[str, ServerInfo] = {}
     for block in range(start, end):
         for peer, info in usable_servers(block_servers, block, banned, adapter, allowed_quant):
-            records[peer] = info
-            stop = min(info.end_block, end)
-            per_block = 1.0 / max(info.throughput, 1e-9)
-            fixed = hop_cost + (FULL_CACHE_PENALTY if info.cache_tokens_free < cache_tokens_needed else 0.0)
-            fixed += relay_cost if info.relayed else 0.0
-            for b in range(block + 1, stop + 1):
-                edges.setdefault(block, []).append((fixed + per_block * (b - block), peer, b))
-    return edges, records
+            holders.setdefault(block, []).append(peer)
+            if peer not in servers:
+                records[peer] = info
+                fixed = hop_cost + (FULL_CACHE_PENALTY if info.cache_tokens_free < cache_tokens_needed else 0.0)
+                fixed += relay_cost if info.relayed else 0.0
+                servers[peer] = _Server(fixed, 1.0 / max(info.throughput, 1e-9), min(info.end_block, end))
+    return servers, holders, records
 
 
 def find_route(
@@ -116,10 +124,10 @@ def find_route(
     """
     rtts = rtts or {}
     _check_range(block_servers, start, end)
-    edges, records = _spans(block_servers, start, end, banned, cache_tokens_needed, hop_cost, adapter,
-                            allowed_quant, relay_cost)
+    servers, holders, records = _usable(block_servers, start, end, banned, cache_tokens_needed, hop_cost, adapter,
+                                        allowed_quant, relay_cost)
     if push:
-        return _push_route(edges, records, start, end, lambda peer: rtts.get(peer, default_rtt))
+        return _push_route(servers, holders, records, start, end, lambda peer: rtts.get(peer, default_rtt))
 
     best: dict[int, tuple[float, int]] = {start: (0.0, 0)}
     previous: dict[int, tuple[int, str]] = {}
@@ -130,7 +138,9 @@ def find_route(
             break
         if (cost, hops) > best.get(node, (float("inf"), 0)):
             continue
-        spans = [(c + rtts.get(peer, default_rtt), peer, nxt) for c, peer, nxt in edges.get(node, [])]
+        spans = [(server.fixed + rtts.get(peer, default_rtt) + server.per_block * (nxt - node), peer, nxt)
+                 for peer in holders.get(node, []) for server in [servers[peer]]
+                 for nxt in range(node + 1, server.stop + 1)]
         for edge_cost, peer, nxt in sorted(spans, key=lambda e: (e[0], e[1], -e[2])):
             candidate = (cost + edge_cost, hops + 1)
             if candidate < best.get(nxt, (float("inf"), 0)):
@@ -161,23 +171,25 @@ def one_way(records: Mapping[str, ServerInfo], rtt: Callable[[str], float], sour
 
 
 def _push_route(
-    edges: Mapping[int, list[tuple[float, str, int]]], records: Mapping[str, ServerInfo], start: int, end: int,
-    rtt: Callable[[str], float],
+    servers: Mapping[str, _Server], holders: Mapping[int, list[str]], records: Mapping[str, ServerInfo], start: int,
+    end: int, rtt: Callable[[str], float],
 ) -> list[Span] | None:
     """Dijkstra over states (block boundary, previous server) for a push route; see the module docstring.
 
-    A state (b, p) is "blocks [start, b) computed, the last of them by p" (p = _CLIENT at the start). The state
-    (end + 1, p) stands for "answer sent from p back to the client", so the finishing leg rtt(p) / 2 is part of
-    the search and the first such state popped is the cheapest route. Heap entries are (cost, hops, block, peer):
-    equal costs go to fewer hops, then to the lower block and peer id, so the result is deterministic.
+    A state (b, p) is "blocks [start, b) computed, the last of them by p" (p = _CLIENT at the start). From it, p
+    may go on with block b (cost: its compute of one block), or the step moves to another server q holding block b
+    (cost: the one-way trip p -> q, q's fixed cost and its compute of block b; one hop more). Going block by block
+    keeps the work at (blocks x servers per block x servers per block), not times the spans' lengths as well. The
+    state (end + 1, p) stands for "answer sent from p back to the client", so the finishing leg rtt(p) / 2 is part
+    of the search and the first such state popped ends the cheapest route. Heap entries are (cost, hops, block,
+    peer): equal costs go to fewer hops, then to the lower block and peer id, so the result is deterministic.
     """
-    State = tuple[int, str]
     done = end + 1
-    best: dict[State, tuple[float, int]] = {(start, _CLIENT): (0.0, 0)}
-    previous: dict[State, State] = {}
+    best: dict[tuple[int, str], tuple[float, int]] = {(start, _CLIENT): (0.0, 0)}
+    previous: dict[tuple[int, str], tuple[int, str]] = {}
     heap: list[tuple[float, int, int, str]] = [(0.0, 0, start, _CLIENT)]
 
-    def relax(state: State, cost: float, hops: int, came_from: State) -> None:
+    def relax(state: tuple[int, str], cost: float, hops: int, came_from: tuple[int, str]) -> None:
         if (cost, hops) < best.get(state, (float("inf"), 0)):
             best[state] = (cost, hops)
             previous[state] = came_from
@@ -185,30 +197,40 @@ def _push_route(
 
     while heap:
         cost, hops, node, prev = heapq.heappop(heap)
+        state = (node, prev)
         if node == done:
-            return _unwind(previous, (node, prev), start)
-        if (cost, hops) > best[(node, prev)]:
+            return _unwind(previous, state, start)
+        if (cost, hops) > best[state]:
             continue
         if node == end:
-            relax((done, prev), cost + rtt(prev) / 2, hops, (node, prev))
+            relax((done, prev), cost + rtt(prev) / 2, hops, state)
             continue
-        # one server's two adjacent spans are never needed (its single longer span is cheaper): skip peer == prev
-        steps = [(c + (rtt(peer) / 2 if prev == _CLIENT else one_way(records, rtt, prev, peer)), peer, nxt)
-                 for c, peer, nxt in edges.get(node, []) if peer != prev]
-        for step_cost, peer, nxt in sorted(steps, key=lambda e: (e[0], e[1], -e[2])):
-            relax((nxt, peer), cost + step_cost, hops + 1, (node, prev))
+        if prev != _CLIENT and node < servers[prev].stop:  # the same span goes on
+            relax((node + 1, prev), cost + servers[prev].per_block, hops, state)
+        for peer in holders.get(node, []):  # a new span starts at `node`
+            if peer != prev:
+                server = servers[peer]
+                link = rtt(peer) / 2 if prev == _CLIENT else one_way(records, rtt, prev, peer)
+                relax((node + 1, peer), cost + link + server.fixed + server.per_block, hops + 1, state)
     return None
 
 
 def _unwind(previous: Mapping[tuple[int, str], tuple[int, str]], final: tuple[int, str], start: int) -> list[Span]:
-    """The spans of the push route ending in state `final` (the finished state), in route order."""
-    spans: list[Span] = []
+    """The spans of the push route whose finished state is `final`, in route order: consecutive blocks of one
+    server are one span (a server never follows itself)."""
+    peers: list[str] = []  # peers[i]: the server of block start + i
     state = previous[final]  # (end, last peer)
     while state[0] != start:
-        before = previous[state]
-        spans.append(Span(state[1], before[0], state[0]))
-        state = before
-    return spans[::-1]
+        peers.append(state[1])
+        state = previous[state]
+    peers.reverse()
+    spans: list[Span] = []
+    for offset, peer in enumerate(peers):
+        if spans and spans[-1].peer_id == peer:
+            spans[-1] = Span(peer, spans[-1].start, start + offset + 1)
+        else:
+            spans.append(Span(peer, start + offset, start + offset + 1))
+    return spans
 
 
 def sample_route(
