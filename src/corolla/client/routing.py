@@ -16,8 +16,9 @@ the round trip the first one announces to the second in `ServerInfo.next_pings`)
 round trip to it), plus the same per-hop overhead, compute and penalties. As the cost of a hop depends on the
 server before it, Dijkstra then runs over states (block boundary, previous server). When a server has not measured
 the next one, the hop is charged (rtt(client, A) + rtt(client, B)) / 2: the one-way trip through the client, an
-upper bound of the direct one by the triangle inequality, so an unmeasured pair is never preferred to a measured
-close one.
+upper bound of the direct one by the triangle inequality (where the network obeys it), so a pair known to be close
+beats a pair nobody measured. Announced values are bounded when the record is read (ServerInfo), so a hostile
+record can bend routes only as much as one lying about its throughput can.
 
 Forward/backward passes carry no state, so `sample_route` spreads them over servers in proportion to throughput.
 """
@@ -138,10 +139,10 @@ def find_route(
             break
         if (cost, hops) > best.get(node, (float("inf"), 0)):
             continue
-        spans = [(server.fixed + rtts.get(peer, default_rtt) + server.per_block * (nxt - node), peer, nxt)
+        edges = [(server.fixed + rtts.get(peer, default_rtt) + server.per_block * (nxt - node), peer, nxt)
                  for peer in holders.get(node, []) for server in [servers[peer]]
                  for nxt in range(node + 1, server.stop + 1)]
-        for edge_cost, peer, nxt in sorted(spans, key=lambda e: (e[0], e[1], -e[2])):
+        for edge_cost, peer, nxt in sorted(edges, key=lambda e: (e[0], e[1], -e[2])):
             candidate = (cost + edge_cost, hops + 1)
             if candidate < best.get(nxt, (float("inf"), 0)):
                 best[nxt] = candidate
