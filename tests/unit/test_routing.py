@@ -192,10 +192,10 @@ def test_a_ping_that_gets_an_answer_lifts_an_unreachable_ban_but_not_a_misbehavi
         async def connect(self, *args, **kwargs):
             return True
 
-    async def answers(p2p, peer_id, timeout):
-        return None
+    async def answers(node, peer_id, maddrs, *, connect_timeout, timeout):
+        return 0.01
 
-    monkeypatch.setattr("corolla.client.sequence_manager.request_info", answers)
+    monkeypatch.setattr("corolla.client.sequence_manager.ping", answers)
     manager = SequenceManager(Node(), "m", 4, ClientConfig(unreachable_ban=60.0))  # type: ignore[arg-type]
     manager.ban("gone-then-back", unreachable=True)
     manager.ban("misbehaving")

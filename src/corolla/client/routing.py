@@ -9,6 +9,17 @@ blocks at the server's announced throughput, and a penalty when its free cache c
 reachable only through a relay costs `relay_cost` more: its measured round trip already includes the detour, but
 the relay is one more machine that can fail or slow down, shared with everybody it relays for.
 
+In push mode (`find_route(..., push=True)`) the client sends a step to the first server only, each server pushes its
+output straight to the next, and the last answers the client: client -> A -> B -> C -> client. A route then costs
+one-way trips, not round trips: client -> first (half the client's round trip to it), server -> next server (half
+the round trip the first one announces to the second in `ServerInfo.next_pings`), last -> client (half the client's
+round trip to it), plus the same per-hop overhead, compute and penalties. As the cost of a hop depends on the
+server before it, Dijkstra then runs over states (block boundary, previous server). When a server has not measured
+the next one, the hop is charged (rtt(client, A) + rtt(client, B)) / 2: the one-way trip through the client, an
+upper bound of the direct one by the triangle inequality (where the network obeys it), so a pair known to be close
+beats a pair nobody measured. Announced values are bounded when the record is read (ServerInfo), so a hostile
+record can bend routes only as much as one lying about its throughput can.
+
 Forward/backward passes carry no state, so `sample_route` spreads them over servers in proportion to throughput.
 """
 
@@ -17,7 +28,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass
-from typing import Collection, Iterator, Mapping, Sequence
+from typing import Callable, Collection, Iterator, Mapping, Sequence
 
 from corolla.protocol.messages import ServerInfo, ServerState
 
@@ -56,6 +67,36 @@ def _check_range(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, 
         raise ValueError(f"bad block range {start}:{end} for {len(block_servers)} blocks")
 
 
+@dataclass(frozen=True)
+class _Server:
+    """A usable server as route finding prices it (the network aside, which relay and push routes price apart)."""
+
+    fixed: float  # seconds charged per span: hop overhead, cache and relay penalties
+    per_block: float  # seconds of compute per block, at its announced throughput
+    stop: int  # end of its range within the route's
+
+
+def _usable(
+    block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, banned: frozenset[str] | set[str],
+    cache_tokens_needed: int, hop_cost: float, adapter: str | None, allowed_quant: Collection[str] | None,
+    relay_cost: float,
+) -> tuple[dict[str, _Server], dict[int, list[str]], dict[str, ServerInfo]]:
+    """The usable servers of [start, end): peer -> its prices, block -> the peers holding it (by peer id), and
+    peer -> its record."""
+    servers: dict[str, _Server] = {}
+    holders: dict[int, list[str]] = {}
+    records: dict[str, ServerInfo] = {}
+    for block in range(start, end):
+        for peer, info in usable_servers(block_servers, block, banned, adapter, allowed_quant):
+            holders.setdefault(block, []).append(peer)
+            if peer not in servers:
+                records[peer] = info
+                fixed = hop_cost + (FULL_CACHE_PENALTY if info.cache_tokens_free < cache_tokens_needed else 0.0)
+                fixed += relay_cost if info.relayed else 0.0
+                servers[peer] = _Server(fixed, 1.0 / max(info.throughput, 1e-9), min(info.end_block, end))
+    return servers, holders, records
+
+
 def find_route(
     block_servers: Sequence[Mapping[str, ServerInfo]],
     start: int,
@@ -69,28 +110,25 @@ def find_route(
     adapter: str | None = None,
     allowed_quant: Collection[str] | None = None,
     relay_cost: float = 0.0,
+    push: bool = False,
 ) -> list[Span] | None:
     """Cheapest chain of spans covering [start, end), or None when some block has no usable server.
 
     block_servers[i] maps peer id -> record for block i (as read from the DHT). Only ONLINE servers that are not
-    banned (and, given `allowed_quant`, whose announced quantization is in it) are used. `rtts` maps peer id -> the client's measured round trip in seconds (`default_rtt` for a peer
-    not measured yet), `relay_cost` the extra seconds charged for a server that announces it is reachable only
-    through a relay. Ties are broken towards fewer hops, then by peer id, so equal inputs give equal routes.
-    With an `adapter`, only servers announcing that LoRA adapter are used.
+    banned (and, given `allowed_quant`, whose announced quantization is in it) are used. `rtts` maps peer id -> the
+    client's measured round trip in seconds (`default_rtt` for a peer not measured yet), `relay_cost` the extra
+    seconds charged for a server that announces it is reachable only through a relay. With an `adapter`, only
+    servers announcing that LoRA adapter are used. `push=True` prices the route as a push route (client -> A -> B
+    -> client, with the server-to-server round trips servers announce; see the module docstring), `push=False` as
+    a relayed one (a client round trip per span). Ties are broken towards fewer hops, then by peer id, so equal
+    inputs give equal routes.
     """
     rtts = rtts or {}
     _check_range(block_servers, start, end)
-    # each server's contiguous coverage starting at each block it holds, limited to [start, end)
-    edges: dict[int, list[tuple[float, str, int]]] = {}
-    for block in range(start, end):
-        for peer, info in usable_servers(block_servers, block, banned, adapter, allowed_quant):
-            stop = min(info.end_block, end)
-            per_block = 1.0 / max(info.throughput, 1e-9)
-            fixed = hop_cost + rtts.get(peer, default_rtt)
-            fixed += FULL_CACHE_PENALTY if info.cache_tokens_free < cache_tokens_needed else 0.0
-            fixed += relay_cost if info.relayed else 0.0
-            for b in range(block + 1, stop + 1):
-                edges.setdefault(block, []).append((fixed + per_block * (b - block), peer, b))
+    servers, holders, records = _usable(block_servers, start, end, banned, cache_tokens_needed, hop_cost, adapter,
+                                        allowed_quant, relay_cost)
+    if push:
+        return _push_route(servers, holders, records, start, end, lambda peer: rtts.get(peer, default_rtt))
 
     best: dict[int, tuple[float, int]] = {start: (0.0, 0)}
     previous: dict[int, tuple[int, str]] = {}
@@ -101,7 +139,10 @@ def find_route(
             break
         if (cost, hops) > best.get(node, (float("inf"), 0)):
             continue
-        for edge_cost, peer, nxt in sorted(edges.get(node, []), key=lambda e: (e[0], e[1], -e[2])):
+        edges = [(server.fixed + rtts.get(peer, default_rtt) + server.per_block * (nxt - node), peer, nxt)
+                 for peer in holders.get(node, []) for server in [servers[peer]]
+                 for nxt in range(node + 1, server.stop + 1)]
+        for edge_cost, peer, nxt in sorted(edges, key=lambda e: (e[0], e[1], -e[2])):
             candidate = (cost + edge_cost, hops + 1)
             if candidate < best.get(nxt, (float("inf"), 0)):
                 best[nxt] = candidate
@@ -116,6 +157,81 @@ def find_route(
         spans.append(Span(peer, prev, node))
         node = prev
     return spans[::-1]
+
+
+_CLIENT = ""  # the "previous server" of a route's first span: the client (no peer id is empty)
+
+
+def one_way(records: Mapping[str, ServerInfo], rtt: Callable[[str], float], source: str, target: str) -> float:
+    """Seconds a pushed step takes from server `source` to server `target`: half the round trip `source` announces
+    to `target` (ServerInfo.next_pings), else half the way through the client, (rtt(source) + rtt(target)) / 2."""
+    announced = records[source].next_pings.get(target)
+    if announced is not None:
+        return announced / 2
+    return (rtt(source) + rtt(target)) / 2
+
+
+def _push_route(
+    servers: Mapping[str, _Server], holders: Mapping[int, list[str]], records: Mapping[str, ServerInfo], start: int,
+    end: int, rtt: Callable[[str], float],
+) -> list[Span] | None:
+    """Dijkstra over states (block boundary, previous server) for a push route; see the module docstring.
+
+    A state (b, p) is "blocks [start, b) computed, the last of them by p" (p = _CLIENT at the start). From it, p
+    may go on with block b (cost: its compute of one block), or the step moves to another server q holding block b
+    (cost: the one-way trip p -> q, q's fixed cost and its compute of block b; one hop more). Going block by block
+    keeps the work at (blocks x servers per block x servers per block), not times the spans' lengths as well. The
+    state (end + 1, p) stands for "answer sent from p back to the client", so the finishing leg rtt(p) / 2 is part
+    of the search and the first such state popped ends the cheapest route. Heap entries are (cost, hops, block,
+    peer): equal costs go to fewer hops, then to the lower block and peer id, so the result is deterministic.
+    """
+    done = end + 1
+    best: dict[tuple[int, str], tuple[float, int]] = {(start, _CLIENT): (0.0, 0)}
+    previous: dict[tuple[int, str], tuple[int, str]] = {}
+    heap: list[tuple[float, int, int, str]] = [(0.0, 0, start, _CLIENT)]
+
+    def relax(state: tuple[int, str], cost: float, hops: int, came_from: tuple[int, str]) -> None:
+        if (cost, hops) < best.get(state, (float("inf"), 0)):
+            best[state] = (cost, hops)
+            previous[state] = came_from
+            heapq.heappush(heap, (cost, hops, *state))
+
+    while heap:
+        cost, hops, node, prev = heapq.heappop(heap)
+        state = (node, prev)
+        if node == done:
+            return _unwind(previous, state, start)
+        if (cost, hops) > best[state]:
+            continue
+        if node == end:
+            relax((done, prev), cost + rtt(prev) / 2, hops, state)
+            continue
+        if prev != _CLIENT and node < servers[prev].stop:  # the same span goes on
+            relax((node + 1, prev), cost + servers[prev].per_block, hops, state)
+        for peer in holders.get(node, []):  # a new span starts at `node`
+            if peer != prev:
+                server = servers[peer]
+                link = rtt(peer) / 2 if prev == _CLIENT else one_way(records, rtt, prev, peer)
+                relax((node + 1, peer), cost + link + server.fixed + server.per_block, hops + 1, state)
+    return None
+
+
+def _unwind(previous: Mapping[tuple[int, str], tuple[int, str]], final: tuple[int, str], start: int) -> list[Span]:
+    """The spans of the push route whose finished state is `final`, in route order: consecutive blocks of one
+    server are one span (a server never follows itself)."""
+    peers: list[str] = []  # peers[i]: the server of block start + i
+    state = previous[final]  # (end, last peer)
+    while state[0] != start:
+        peers.append(state[1])
+        state = previous[state]
+    peers.reverse()
+    spans: list[Span] = []
+    for offset, peer in enumerate(peers):
+        if spans and spans[-1].peer_id == peer:
+            spans[-1] = Span(peer, spans[-1].start, start + offset + 1)
+        else:
+            spans.append(Span(peer, start + offset, start + offset + 1))
+    return spans
 
 
 def sample_route(

@@ -21,14 +21,12 @@ from dataclasses import dataclass
 
 from corolla.client.config import ClientConfig
 from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks, usable_servers
-from corolla.client.server_info import request_info
 from corolla.dht import SwarmNode, fetch_block_servers
+from corolla.dht.ping import ping, smooth
 from corolla.protocol.errors import AllocationFailed, MissingBlocks, PeerUnavailable, PeerUnreachable, RemoteError
 from corolla.protocol.messages import ErrorCode, ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
-
-RTT_SMOOTHING = 0.5  # weight of a new round-trip sample in the running average
 
 # Server errors that a different server may not have; anything else (bad_request, session_full) is the caller's.
 RETRYABLE_CODES = {
@@ -99,25 +97,22 @@ class SequenceManager:
         await asyncio.gather(*(self._ping(peer) for peer in sorted(peers)))
 
     async def _ping(self, peer_id: str) -> None:
-        maddrs = self._announced_maddrs(peer_id)
-        if maddrs:  # dial where the server says it is (e.g. through its relay); no-op when already connected
-            await self.node.connect(peer_id, maddrs, timeout=self.config.connect_timeout)
-        begin = time.perf_counter()
+        """Measure the round trip to `peer_id` (dht.ping, as servers measure theirs) into `rtts`; a peer that
+        cannot be dialed is banned as unreachable, one that answers again has such a ban lifted."""
         try:
-            await request_info(self.node.p2p, peer_id, timeout=self.config.ping_timeout)
+            sample = await ping(self.node, peer_id, self._announced_maddrs(peer_id),
+                                connect_timeout=self.config.connect_timeout, timeout=self.config.ping_timeout)
         except PeerUnavailable as e:
             logger.debug("ping to %s failed: %s", peer_id, e)
             if isinstance(e, PeerUnreachable) and peer_id not in self.banned(unreachable_only=True):
                 self.ban(peer_id, unreachable=True)
             return
-        sample = time.perf_counter() - begin
         ban = self._bans.get(peer_id)
         if ban is not None and ban.unreachable and ban.until > time.monotonic():
             # it answers again (e.g. back from a network outage): routes may use it at once
             logger.info("peer %s is reachable again; lifting its ban", peer_id)
             del self._bans[peer_id]
-        previous = self.rtts.get(peer_id)
-        self.rtts[peer_id] = sample if previous is None else (1 - RTT_SMOOTHING) * previous + RTT_SMOOTHING * sample
+        self.rtts[peer_id] = smooth(self.rtts.get(peer_id), sample)
         self._measured_at[peer_id] = time.monotonic()
 
     def _announced_maddrs(self, peer_id: str) -> tuple[str, ...]:
@@ -193,16 +188,27 @@ class SequenceManager:
         self._bans.pop(peer_id, None)
 
     # ------------------------------------------------------------------ routes
-    async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0, adapter: str | None = None) -> list[Span]:
+    async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0, adapter: str | None = None,
+                         push: bool | None = None) -> list[Span]:
         """The fastest chain of spans covering [start, end) for an inference session (see routing.find_route),
-        through servers holding LoRA `adapter` (default: the client's `active_adapter`)."""
+        through servers holding LoRA `adapter` (default: the client's `active_adapter`).
+
+        `push` (default: ClientConfig.push) prices the route as a push route (client -> A -> B -> client, with the
+        server-to-server round trips servers announce) rather than a relayed one. A push session prices its routes
+        so even where some of its steps go relayed (client.push_route.can_push: a single span, deep prompts), and
+        when it re-routes one part of its route after a failure (the part's ends are then priced as legs to and
+        from the client, though its neighbours on the route send and receive them): pushing is what most of its
+        steps do, and a route is chosen once for all of them.
+        """
         adapter = adapter if adapter is not None else self.config.active_adapter
+        push = self.config.push if push is None else push
 
         def plan(banned: set[str]) -> list[Span] | None:
             return find_route(
                 self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
                 hop_cost=self.config.hop_cost, rtts=self.rtts, default_rtt=self.config.default_rtt,
                 adapter=adapter, allowed_quant=self.config.allowed_quant, relay_cost=self.config.relay_cost,
+                push=push,
             )
 
         return await self._route(start, end, plan, adapter)

@@ -10,6 +10,11 @@ version's format* which names both versions. In v1 that frame is
                                             "tensors": []})
 
 and a v1 client raises it as a non-retryable `bad_request` error, so its user sees the message at once.
+
+DHT records (`ServerInfo`) are not streams, and their keys carry no version: a field added to them within a
+protocol version gets a default, so the record of a server that predates it still parses (`next_pings`, added in
+v3 for push routing: empty). A client that predates such a field refuses records carrying it (`extra="forbid"`):
+it does not see that server at all, but never misreads it.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ MAX_MADDRS = 16  # multiaddrs a server may announce
 MAX_MADDR_CHARS = 512
 MAX_PEER_ID = 128  # characters of a peer id or a session id
 MAX_ROUTE = 64  # later servers a pushed step may name
+MAX_NEXT_PINGS = 16  # next-hop round trips a server may announce (ServerInfo.next_pings)
+MAX_PING_SECONDS = 60.0  # the longest round trip a server may announce; a longer one is a broken link, not a ping
 
 
 
@@ -97,6 +99,12 @@ class ServerInfo(_Message):
     # full multiaddrs clients may dial this server at (.../p2p/<peer id>); empty = let p2pd find them
     maddrs: tuple[Annotated[str, Field(min_length=1, max_length=MAX_MADDR_CHARS)], ...] = Field(default=(), max_length=MAX_MADDRS)
     relayed: bool = False  # reachable only through a relay (its maddrs are /p2p-circuit/ ones): an extra hop per step
+    # push routing: peer id -> smoothed round trip in seconds from this server to that one, for the servers a step
+    # pushed on from here would likely go to (server.next_hops); empty in records of servers that predate it
+    next_pings: dict[
+        Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)],
+        Annotated[float, Field(ge=0.0, le=MAX_PING_SECONDS, allow_inf_nan=False)],
+    ] = Field(default_factory=dict, max_length=MAX_NEXT_PINGS)
 
     @model_validator(mode="after")
     def _check_range(self) -> ServerInfo:

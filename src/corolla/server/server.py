@@ -35,6 +35,7 @@ from corolla.server.config import ServerConfig
 from corolla.server.dtype_choice import checkpoint_dtype_name, resolve_dtype
 from corolla.server.handler import ConnectionHandler
 from corolla.server.metrics import ServerMetrics
+from corolla.server.next_hops import NextHops
 from corolla.server.network import announced_throughput, measure_bandwidth, network_tokens_per_second
 from corolla.server.quantization import check_quant_mode, estimate_block_bytes, quantize_block, resident_bytes
 from corolla.server.tensor_parallel import (
@@ -86,6 +87,7 @@ class Server:
         self.stack: BlockStack | None = None
         self.allocator: CacheAllocator | None = None
         self.handler: ConnectionHandler | None = None
+        self.next_hops: NextHops | None = None  # round trips to the servers after ours, announced for push routing
         self.metrics = ServerMetrics()  # exported over HTTP only with --metrics-port
         self.metrics.watch(lambda: len(self.handler.sessions) if self.handler else 0,
                            lambda: self.allocator.budget if self.allocator else None)
@@ -115,6 +117,7 @@ class Server:
             adapters=tuple(self.config.adapters),
             maddrs=self.maddrs[:MAX_MADDRS],
             relayed=self.node is not None and self.node.relayed,
+            next_pings=self.next_hops.announced() if self.next_hops is not None else {},
         )
 
     def info_reply(self) -> InfoReply:
@@ -153,6 +156,10 @@ class Server:
             watch.on_rejoined.append(announcer.announce_soon)
             await self._serve_blocks(announcer, worker)
             tasks.append(asyncio.create_task(announcer.run()))
+            self.next_hops = NextHops(self.node, self.prefix, self.num_model_blocks)
+            serving_end = lambda: self.end_block if self.state == ServerState.ONLINE else None  # noqa: E731
+            tasks.append(asyncio.create_task(self.next_hops.run(self.config.announce_period, serving_end,
+                                                                announcer.refresh_soon)))
             if self.config.balance_period > 0 and not self.config.blocks:
                 tasks.append(asyncio.create_task(self._rebalance(announcer, worker)))
             if self.config.inject_fault:
