@@ -38,7 +38,6 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch

@@ -19,7 +19,7 @@ import torch
 
 from corolla.client.config import ClientConfig
 from corolla.client.connection import Connection
-from corolla.client.event_loop import get_loop, run_sync
+from corolla.client.event_loop import run_sync
 from corolla.client.push_route import RouteHop, can_push, push_route, sources_to_fix
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager

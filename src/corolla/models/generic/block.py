@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
