@@ -155,3 +155,11 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BY
     if length > max_bytes:
         raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_bytes} bytes")
     return decode_frame(await reader.readexactly(length))
+
+
+def abort_stream(writer: asyncio.StreamWriter) -> None:
+    """End a stream at once, dropping whatever is still buffered for the peer: `writer.close()` would wait to send it,
+    holding the socket for as long as the peer does not read (forever, for a peer that stopped)."""
+    transport = getattr(writer, "transport", None)
+    if transport is not None:
+        transport.abort()

@@ -32,7 +32,7 @@ import torch
 from corolla.protocol import rpc_handler_name
 from corolla.protocol.compat import LEGACY_VERSIONS, discard_frame, legacy_error_frame
 from corolla.protocol.errors import ProtocolError
-from corolla.protocol.framing import MAX_FRAME_BYTES, read_frame, version_mismatch, write_frame
+from corolla.protocol.framing import MAX_FRAME_BYTES, abort_stream, read_frame, version_mismatch, write_frame
 from corolla.protocol.messages import (
     MAX_PROBE_BYTES,
     BackwardRequest,
@@ -286,7 +286,7 @@ class ConnectionHandler:
                 result = await self._push_on(result, message.push_to, message, output, tensors.get("attention_mask"))
                 await self._send(live.writer, result, {"hidden": output})
             except (ConnectionError, asyncio.CancelledError):
-                _abort(live.writer)
+                abort_stream(live.writer)
                 raise
             except Exception as e:
                 code, text = (e.code, str(e)) if isinstance(e, RequestError) else (ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
@@ -294,7 +294,7 @@ class ConnectionHandler:
                 try:
                     await asyncio.wait_for(write_frame(live.writer, ErrorReply(code=code, message=text)), 5.0)
                 finally:
-                    _abort(live.writer)
+                    abort_stream(live.writer)
 
     async def run_step(self, session: ServerSession, message: InferenceStep, tensors: Mapping[str, torch.Tensor]
                        ) -> tuple[StepResult, torch.Tensor]:
@@ -325,15 +325,8 @@ async def _send(writer: asyncio.StreamWriter, message: Message, tensors: Mapping
         await asyncio.wait_for(write_frame(writer, message, tensors), timeout)
     except asyncio.TimeoutError:
         logger.info("stream aborted: the peer took no data for %.0fs", timeout)
-        _abort(writer)
+        abort_stream(writer)
         raise ConnectionAbortedError(f"the peer took no data for {timeout:.0f}s") from None
-
-
-def _abort(writer: asyncio.StreamWriter) -> None:
-    """End the stream at once, with whatever is still buffered for the peer (closing would wait to send it)."""
-    transport = getattr(writer, "transport", None)
-    if transport is not None:
-        transport.abort()
 
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
@@ -382,12 +375,12 @@ def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_w
                     await asyncio.wait_for(reply_with(writer, reply), 5.0)
                 except (ConnectionError, asyncio.TimeoutError, RuntimeError, OSError):
                     logger.debug("could not deliver error to peer=%s", peer)
-                    _abort(writer)
+                    abort_stream(writer)
             if reply is None or reply.code != ErrorCode.SHUTTING_DOWN:
                 await _await_peer_close(reader)
                 transport = getattr(writer, "transport", None)
                 if transport is not None and transport.get_write_buffer_size():
-                    _abort(writer)  # the peer neither read nor closed: what it did not take is dropped now
+                    abort_stream(writer)  # the peer neither read nor closed: what it did not take is dropped now
 
     return on_stream
 

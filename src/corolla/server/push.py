@@ -23,7 +23,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from corolla.protocol import rpc_handler_name
-from corolla.protocol.framing import read_frame, write_frame
+from corolla.protocol.framing import abort_stream, read_frame, write_frame
 from corolla.protocol.messages import ErrorCode, ErrorReply, Message, PushHop, PushStep
 from corolla.server.sessions import ServerSession
 from corolla.server.validation import RequestError
@@ -111,10 +111,9 @@ class PushPool:
         entry = self._streams.pop(peer_id, None)
         if entry is not None:
             _, writer, task = entry
-            try:
-                writer.close()
-            except (ConnectionError, RuntimeError, OSError):
-                pass
+            # a stream is dropped when it failed, timed out or the pool closes: what is still buffered for the next
+            # server is dropped with it (close() would hold the socket until a next server that stopped reading reads)
+            abort_stream(writer)
             if cancel:
                 task.cancel()
 
