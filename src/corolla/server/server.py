@@ -8,26 +8,24 @@ better (`should_move`); if so it goes OFFLINE for its blocks and through JOINING
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import os
 import random
 import signal
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 import corolla
-from corolla.checkpoint import load_config, load_tensors
+from corolla.checkpoint import load_config
 from corolla.dht import ModelRecord, SwarmNode, create_swarm_node, fetch_block_servers, model_dht_prefix
 from corolla.models import get_family
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.membership import load_swarm_key
 from corolla.protocol.messages import MAX_MADDRS, InfoReply, ServerInfo, ServerState
-from corolla.server.adapters import attach_adapters, read_adapter_config
+from corolla.server.adapters import read_adapter_config
 from corolla.server.announcer import Announcer
-from corolla.server.backend import BlockStack, KVLayout
+from corolla.server.backend import BlockStack
+from corolla.server.block_loading import default_cache_tokens, default_num_blocks, load_stack
 from corolla.server.block_selection import choose_best_blocks, parse_block_range, should_move
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
@@ -37,18 +35,12 @@ from corolla.server.handler import ConnectionHandler
 from corolla.server.metrics import ServerMetrics
 from corolla.server.next_hops import NextHops
 from corolla.server.network import announced_throughput, measure_bandwidth, network_tokens_per_second
-from corolla.server.quantization import check_quant_mode, estimate_block_bytes, quantize_block, resident_bytes
-from corolla.server.tensor_parallel import (
-    build_tensor_parallel_block,
-    check_tensor_parallel,
-    measure_throughput,
-    tensor_parallel_stack,
-)
+from corolla.server.quantization import check_quant_mode
+from corolla.server.tensor_parallel import check_tensor_parallel, measure_throughput
 from corolla.server.throughput import cached_throughput, load_cached, measure_block_throughput, store_cached
 
 logger = logging.getLogger(__name__)
 
-MAX_DEFAULT_CACHE_TOKENS = 1 << 20
 NETWORK_CACHE_KEY = {"measurement": "network bandwidth, bytes/s"}
 NETWORK_CACHE_MAX_AGE = 24 * 3600.0  # seconds a measured bandwidth is trusted
 
@@ -335,84 +327,18 @@ class Server:
         return tokens
 
     def _default_num_blocks(self) -> int:
-        """As many blocks as fit in half of the available memory (all of them for small models), each block's
-        size computed from its shapes (a block built on the meta device) in our dtype and quantization."""
-        default_dtype = torch.get_default_dtype()
-        try:
-            torch.set_default_dtype(self.dtype)
-            with torch.device("meta"):
-                block = self.family.block_class(self.model_config, 0)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        bytes_per_block = estimate_block_bytes(block, self.config.quant, self.dtype)
-        logger.info("sizing: one block takes about %.1f MiB (dtype %s, quant %s)",
-                    bytes_per_block / 2**20, self.dtype_name, self.config.quant)
-        return max(1, int(_available_memory() * 0.5 // bytes_per_block))
+        return default_num_blocks(self.family, self.model_config, self.dtype, self.dtype_name, self.config.quant)
 
     def _load_blocks(self) -> BlockStack:
-        begin = time.perf_counter()
-        prefixes = [self.family.block_prefix(i) for i in range(self.start_block, self.end_block)]
-        tensors = load_tensors(
-            self.config.model,
-            lambda name: name.startswith(tuple(prefixes)),
-            dtype=self.dtype,
-            cache_dir=self.config.cache_dir,
-            max_disk_space=self.config.max_disk_space,
-            rename=self.family.canonical_name,
-        )
-        blocks = []
-        tp_devices = self.config.tensor_parallel_devices
-        default_dtype = torch.get_default_dtype()
-        try:
-            torch.set_default_dtype(self.dtype)
-            indices = range(self.start_block, self.end_block)
-            for index in tqdm(indices, desc="loading blocks", unit="block", disable=None):  # a bar on a terminal
-                block = self.family.load_block(self.model_config, index, tensors)
-                if tp_devices:  # split on the host, then each shard is quantized (if asked) on its way to its device
-                    block = build_tensor_parallel_block(
-                        self.family, self.model_config, block.to(self.dtype), tp_devices, self.config.quant)
-                else:  # quantized (if asked) on its way to the device: a float block never sits on an accelerator
-                    block = quantize_block(block.to(self.dtype), self.config.quant, self.device, self.dtype)
-                blocks.append(block.eval().requires_grad_(False))
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if self.config.adapters:
-            attach_adapters(
-                blocks, self.start_block, self.config.adapters, self.family, self.model_config, dtype=self.dtype,
-                device=self.device, cache_dir=self.config.cache_dir, max_disk_space=self.config.max_disk_space,
-            )
-        n_kv_heads, head_dim = self.family.kv_layout(self.model_config)
-        self.bytes_per_block = sum(resident_bytes(b) for b in blocks) // len(blocks)
-        logger.info(
-            "loaded blocks %d:%d in %.1fs (dtype %s, quant %s, %.2f MiB per block)", self.start_block, self.end_block,
-            time.perf_counter() - begin, self.dtype_name, self.config.quant, self.bytes_per_block / 2**20,
-        )
-        if tp_devices:
-            logger.info("tensor parallel: each block split over %d devices: %s", len(tp_devices), " ".join(tp_devices))
-            return tensor_parallel_stack(
-                blocks, self.start_block, self.model_config.hidden_size, KVLayout(n_kv_heads, head_dim),
-                self.dtype, self.config.max_chunk_tokens,
-            )
-        stack = BlockStack(
-            blocks, self.start_block, self.model_config.hidden_size, KVLayout(n_kv_heads, head_dim),
-            self.dtype, self.device, self.config.max_chunk_tokens,
-            cache_length=functools.partial(self.family.cache_length, self.model_config),
-        )
-        length = self.config.max_session_length
-        full, kept = (stack.layout.bytes_per_token(self.dtype, len(blocks)) * length,
-                      stack.cache_bytes(1, length, self.start_block, self.end_block))
-        if kept < full:
-            logger.info("cache: sliding-window blocks keep a ring of recent positions; a session of %d tokens takes "
-                        "%.1f MiB, not %.1f MiB (the budget still reserves batch x max_length tokens of every block)",
-                        length, kept / 2**20, full / 2**20)
+        stack, self.bytes_per_block = load_stack(self.config, self.family, self.model_config, self.start_block,
+                                                 self.end_block, self.dtype, self.dtype_name, self.device)
         return stack
 
     def _cache_tokens(self) -> int:
         if self.config.cache_tokens is not None:
             return self.config.cache_tokens
         assert self.stack is not None
-        per_token = self.stack.layout.bytes_per_token(self.dtype, self.end_block - self.start_block)
-        return int(min(MAX_DEFAULT_CACHE_TOKENS, _available_memory() * 0.25 // per_token))
+        return default_cache_tokens(self.stack, self.dtype, self.end_block - self.start_block)
 
     def _measure_throughput(self) -> float:
         assert self.stack is not None
@@ -432,15 +358,3 @@ class Server:
                 self.stack.blocks[0], self.stack.hidden_size, layout.n_kv_heads, layout.head_dim, self.dtype, self.device
             ),
         )
-
-
-def _available_memory() -> int:
-    """Bytes of memory available to new allocations (MemAvailable on Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
