@@ -59,14 +59,14 @@ def test_push_client_routes_through_close_servers_and_relay_client_through_the_o
     with EmulatedNetwork(list(DELAYS), delays=DELAYS) as net:
         net.set_pair_delay("b", "c", B_TO_C)
         _, maddrs = start_dht(net, "dht", "--host", "0.0.0.0", log=net_log)
-        servers = {}
+        servers, peer = {}, {}
         for name, blocks in BLOCKS.items():
             servers[name] = start_server(net, name, tiny_llama_path, maddrs, *SERVER_ARGS, "--blocks", blocks,
                                          "--host", "0.0.0.0", *ANNOUNCE, label=f"server-{name}", log=net_log,
                                          wait=False)
             if name == "c":
-                wait_serving(servers[name])
-        peer = {name: wait_serving(proc) for name, proc in servers.items()}
+                peer[name] = wait_serving(servers[name])
+        peer.update({name: wait_serving(proc) for name, proc in servers.items() if name not in peer})
         name_of = {p: name for name, p in peer.items()}
         everyone = set(peer.values())
 
