@@ -37,6 +37,22 @@ def test_push_routing_takes_two_servers_close_to_each_other_that_relay_routing_a
     assert find_route(blocks, 0, 4, rtts=rtts, push=True) == [Span("a", 0, 2), Span("b", 2, 4)]
 
 
+@pytest.mark.parametrize("stretch, overhead", [(1.0, 0.0), (2.0, 0.0), (2.0, 0.01), (1.0, 0.03)])
+def test_the_emulated_hosts_of_test_wan_routing_route_push_through_b_and_c_and_relay_through_a(stretch, overhead):
+    """tests/net/test_wan_routing.py's swarm: a (0:4) 40 ms one way from the client, b (0:2) and c (2:4) 25 ms, b
+    1 ms from c, all at 100 tokens/s. Pings there measure every round trip `stretch` times plus `overhead` s
+    (stream opening, processing): the routes must not depend on either."""
+    measured = lambda one_way_s: stretch * 2 * one_way_s + overhead  # noqa: E731
+    b = with_pings(make_info(0, 2), c=measured(0.001), a=measured(0.055))
+    blocks = swarm(4, {"a": make_info(0, 4), "b": b, "c": make_info(2, 4)})
+    rtts = {"a": measured(0.040), "b": measured(0.025), "c": measured(0.025)}
+    assert find_route(blocks, 0, 4, rtts=rtts) == [Span("a", 0, 4)]
+    assert find_route(blocks, 0, 4, rtts=rtts, push=True) == [Span("b", 0, 2), Span("c", 2, 4)]
+    # until b announces c, its hop is priced through the client and a stays the push route too
+    unpinged = swarm(4, {"a": make_info(0, 4), "b": make_info(0, 2), "c": make_info(2, 4)})
+    assert find_route(unpinged, 0, 4, rtts=rtts, push=True) == [Span("a", 0, 4)]
+
+
 def test_an_unmeasured_hop_is_charged_the_way_through_the_client():
     blocks, rtts = close_pair_far_from_client(pinged=False)
     # a -> b not announced: (0.05 + 0.05) / 2, so a+b = 0.025 + 0.004 + 0.05 + 0.004 + 0.025 = 0.108 s > c's 0.092 s

@@ -201,6 +201,13 @@ class InferenceSession:
 
     # ------------------------------------------------------------------ what the session holds
     @property
+    def route(self) -> list[Span]:
+        """The spans this session's steps go through now, in order (a failover may change them); empty before the
+        first step opens them and after `close`."""
+        spans = self._spans
+        return [] if spans is None else [s.span for s in spans]
+
+    @property
     def position(self) -> int:
         return self._state.position
 

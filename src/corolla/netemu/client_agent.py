@@ -5,11 +5,14 @@
 Prints {"ready": true, "peer_id": ...} once connected (or {"ready": false, "error": ...} and exits 1), then answers
 one JSON line per command:
     {"op": "generate", "ids": [[...]], "max_new_tokens": N}   -> {"ok": true, "tokens": [[...]], "seconds": s}
-    {"op": "servers"}            -> {"ok": true, "blocks": [{peer: {"state", "relayed", "maddrs"}}, ...]} (fresh DHT read)
+    {"op": "servers"}            -> {"ok": true, "blocks": [{peer: {"state", "relayed", "maddrs", "next_pings"}}, ...],
+                                      "rtts": {peer: seconds}} (fresh DHT read; the client's measured round trips)
     {"op": "route"}              -> {"ok": true, "route": [[peer, start, end], ...]} (an inference route now)
     {"op": "timed_decode", "ids": [[...]], "new_tokens": N, "repeats": R}
                                   -> {"ok": true, "ttft_s": [...], "decode_s_per_token": [...],
-                                      "exchanges_per_token": x (requests the client waited for, counted, per decode step)}
+                                      "exchanges_per_token": x (requests the client waited for, counted, per decode step),
+                                      "tokens": [[...]] (prompt + greedy tokens, last repeat),
+                                      "route": [[peer, start, end], ...], "pushed_steps": n (last repeat's session)}
 A failed command answers {"ok": false, "error": "..."}; the agent keeps running until stdin closes.
 """
 
@@ -69,8 +72,10 @@ def handle(command: dict, model, manager, run_sync, torch) -> dict:
         return {"tokens": out.tolist(), "seconds": time.perf_counter() - begin}
     if op == "servers":
         run_sync(manager.update(force=True))
-        return {"blocks": [{peer: {"state": info.state.value, "relayed": info.relayed, "maddrs": list(info.maddrs)}
-                            for peer, info in servers.items()} for servers in manager.block_servers]}
+        return {"blocks": [{peer: {"state": info.state.value, "relayed": info.relayed, "maddrs": list(info.maddrs),
+                                   "next_pings": dict(info.next_pings)}
+                            for peer, info in servers.items()} for servers in manager.block_servers],
+                "rtts": dict(manager.rtts)}
     if op == "route":
         route = run_sync(manager.make_route(0, manager.num_blocks))
         return {"route": [[span.peer_id, span.start, span.end] for span in route]}
@@ -81,7 +86,8 @@ def handle(command: dict, model, manager, run_sync, torch) -> dict:
 
 def timed_decode(model, ids, new_tokens: int, repeats: int, torch) -> dict:
     """Greedy decoding by hand: time to first token (session open + prefill) and seconds per further token; the
-    session's counted exchanges (client.inference_session) per decode step, median over the repeats."""
+    session's counted exchanges (client.inference_session) per decode step, median over the repeats; the last
+    repeat's tokens (prompt included), its session's route and pushed steps."""
     ttft, per_token, exchanges = [], [], []
     with torch.no_grad():
         for _ in range(repeats):
@@ -89,16 +95,21 @@ def timed_decode(model, ids, new_tokens: int, repeats: int, torch) -> dict:
             with model.inference_session(max_length=ids.shape[1] + new_tokens) as session:
                 hidden = session.step(model.head.embed(ids))
                 token = model.head.logits(hidden[:, -1:]).argmax(-1)  # (B, 1)
+                tokens = [ids, token]
                 first = time.perf_counter()
                 before = session.exchanges
                 for _ in range(new_tokens - 1):
                     hidden = session.step(model.head.embed(token))
                     token = model.head.logits(hidden[:, -1:]).argmax(-1)
+                    tokens.append(token)
                 done = time.perf_counter()
                 exchanges.append((session.exchanges - before) / max(1, new_tokens - 1))
+                route = [[span.peer_id, span.start, span.end] for span in session.route]
+                pushed = session.pushed_steps
             ttft.append(first - begin)
             per_token.append((done - first) / max(1, new_tokens - 1))
-    return {"ttft_s": ttft, "decode_s_per_token": per_token, "exchanges_per_token": sorted(exchanges)[len(exchanges) // 2]}
+    return {"ttft_s": ttft, "decode_s_per_token": per_token, "exchanges_per_token": sorted(exchanges)[len(exchanges) // 2],
+            "tokens": torch.cat(tokens, dim=1).tolist(), "route": route, "pushed_steps": pushed}
 
 
 if __name__ == "__main__":
