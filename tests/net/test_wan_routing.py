@@ -117,6 +117,5 @@ def test_push_client_routes_through_close_servers_and_relay_client_through_the_o
         decode_ms = {label: round(median(t["decode_s_per_token"]) * 1e3, 1) for label, t in timed.items()}
         print(f"decode ms/token (median of 3 sessions): push via b, c {decode_ms['push']}; "
               f"relay via a {decode_ms['relay']}")
-        # loose on purpose: 28 ms of propagation per token separate the two routes (52 ms one way against 80 ms),
-        # far more than the push route's extra server hop costs, so only a badly overloaded machine could flip it
-        assert decode_ms["push"] < decode_ms["relay"], decode_ms
+        # printed, not asserted (speed goals live in benchmarks): 28 ms of propagation per token separate the two
+        # routes (52 ms one way against 80 ms); measured here 57 against 85 ms
