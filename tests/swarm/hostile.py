@@ -6,12 +6,18 @@ so streams that stall resolve within the test. `HonestClients` are two real clie
 generate greedily in threads until stopped, each output compared with the local HF model's. `ServerWatch` reads
 what a server holds (rpc_info: sessions, free and total cache; /proc: its open file descriptors, one per open
 stream, and threads) and waits for it to be back where it started.
+
+Push streams: server a keeps one persistent rpc_push stream to b while clients push through it (a socket in each
+server), which b ends after SESSION_TIMEOUT idle plus its linger (PUSH_IDLE_OUT). So a file descriptor count is
+only comparable once no client has pushed for PUSH_IDLE_OUT: ServerWatch takes its baseline after that wait, and
+`wait_settled` gives the servers that long too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -22,11 +28,13 @@ from corolla import AutoDistributedModelForCausalLM
 from corolla.client.server_info import request_info
 from corolla.dht.node import SwarmNode, create_swarm_node
 from corolla.protocol.messages import InfoReply
+from corolla.server.handler import LINGER_TIMEOUT
 from raw_frames import fd_targets, open_fds, process_threads
 
 SESSION_TIMEOUT = 3.0  # seconds: --session-timeout of the hostile swarm's servers (also bounds a silent new stream)
 HOSTILE_ARGS = ["--session-timeout", str(SESSION_TIMEOUT), "--max-alloc-timeout", "2", "--cache-tokens", "32768"]
 HIDDEN_SIZE = 64  # the tiny Llama's
+PUSH_IDLE_OUT = SESSION_TIMEOUT + LINGER_TIMEOUT + 2.0  # seconds until an idle push stream is gone from both servers
 PROMPTS = [[1, 4, 9, 16], [1, 7], [1, 30, 31, 32, 33, 34, 35, 36, 37, 38], [1, 99, 5]]
 NEW_TOKENS = 6
 
@@ -136,6 +144,7 @@ class ServerWatch:
     def __init__(self, swarm: NamedSwarm, node: LoopNode):
         self.swarm = swarm
         self.node = node
+        time.sleep(PUSH_IDLE_OUT)  # the baseline holds no push stream (see the module doc)
         self.baseline = {name: fd_targets(proc.pid) for name, proc in swarm.procs.items()}
         self.baseline_fds = {name: len(fds) for name, fds in self.baseline.items()}
         self.baseline_threads = {name: process_threads(proc.pid) for name, proc in swarm.procs.items()}

@@ -21,7 +21,7 @@ from corolla.cli.local_swarm import LocalSwarm
 from corolla.protocol.errors import ProtocolError
 from corolla.protocol.framing import MAX_HEADER_BYTES, decode_frame
 from fuzz_cases import CASES, Fuzzer, Target, burst
-from hostile import SESSION_TIMEOUT, HonestClients, LoopNode, ServerWatch, log_problems, start_hostile_swarm
+from hostile import PUSH_IDLE_OUT, SESSION_TIMEOUT, HonestClients, LoopNode, ServerWatch, log_problems, start_hostile_swarm
 from raw_frames import RawStream, frame, open_fds, prefixed, tensor_frame
 
 SEED = 17
@@ -174,7 +174,7 @@ def test_a_client_that_never_reads_a_probe_reply_has_its_stream_aborted(hostile)
     it, so the stream, its task and the 64 MiB stayed as long as the client kept the stream open."""
     swarm, node, _ = hostile
     proc = swarm.procs["b"]
-    time.sleep(1.0)
+    time.sleep(PUSH_IDLE_OUT)  # the earlier tests' push stream into b is gone (see hostile's module doc)
     baseline = open_fds(proc.pid)
 
     async def ask() -> RawStream:

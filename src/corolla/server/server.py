@@ -84,6 +84,7 @@ class Server:
         self.metrics.watch(lambda: len(self.handler.sessions) if self.handler else 0,
                            lambda: self.allocator.budget if self.allocator else None)
         self._stop = asyncio.Event()
+        self._fault_armed = False  # SIGUSR1 came (--inject-fault): every handler of this server is armed
 
     def stop(self) -> None:
         self._stop.set()
@@ -135,6 +136,8 @@ class Server:
         try:
             if self.config.metrics_port:
                 self.metrics.start_http(self.config.host, self.config.metrics_port)
+            if self.config.inject_fault:  # before "serving blocks": a SIGUSR1 sent on that line must not kill us
+                asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self._arm_fault)
             self.node = await self._join()
             if self.config.new_swarm:
                 logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(self.maddrs))
@@ -154,8 +157,6 @@ class Server:
                                                                 announcer.refresh_soon)))
             if self.config.balance_period > 0 and not self.config.blocks:
                 tasks.append(asyncio.create_task(self._rebalance(announcer, worker)))
-            if self.config.inject_fault:
-                asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self._arm_fault)
             await self._stop.wait()
         finally:
             await self._shutdown(announcer, tasks, worker)
@@ -175,9 +176,11 @@ class Server:
         return node
 
     def _arm_fault(self) -> None:
-        assert self.handler is not None
+        """SIGUSR1 with --inject-fault: steps fail from now on (armed when the handler exists, if it does not yet)."""
         logger.warning("SIGUSR1: inference steps now %s (--inject-fault)", self.config.inject_fault)
-        self.handler.arm_fault()
+        self._fault_armed = True
+        if self.handler is not None:
+            self.handler.arm_fault()
 
     async def _serve_blocks(self, announcer: Announcer, worker: ComputeWorker) -> None:
         """JOINING -> load blocks start_block:end_block, open their cache and RPCs -> ONLINE ("serving blocks A:B")."""
@@ -193,6 +196,8 @@ class Server:
         gate = self.node.gate
         self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply, self.metrics,
                                          authorize=gate.authorize if gate is not None else None)
+        if self._fault_armed:
+            self.handler.arm_fault()
         await self.handler.register(self.node.p2p)
         self.state = ServerState.ONLINE
         self.metrics.describe(peer_id=self.node.peer_id, model=self.prefix, blocks=f"{self.start_block}:{self.end_block}",
