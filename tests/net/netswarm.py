@@ -9,6 +9,7 @@ EmulatedNetwork; everything it starts (corolla processes, their p2pd, the switch
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,17 @@ from corolla.netemu import can_emulate
 
 # fixed throughput: no compute or bandwidth measurement at start (not under test here), deterministic routes
 SERVER_ARGS = ["--num-threads", "1", "--max-session-length", "256", "--throughput", "100"]
+
+def wait_until(predicate, timeout: float, interval: float = 0.5):
+    """Poll until `predicate()` returns something truthy (returned) or `timeout` seconds pass (None)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
+
 
 _usable, _why_not = can_emulate()
 needs_namespaces = pytest.mark.skipif(not _usable, reason=f"emulated hosts unavailable: {_why_not}")

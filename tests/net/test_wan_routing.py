@@ -19,14 +19,13 @@ Pings include their stream opening and processing, which stretches every measure
 
 from __future__ import annotations
 
-import time
 from statistics import median
 
 import pytest
 
 from corolla.netemu import EmulatedNetwork
 from corolla.netemu.swarm import Agent, start_dht, start_server, wait_serving
-from netswarm import SERVER_ARGS, needs_namespaces, net_log, reference  # noqa: F401 (fixtures)
+from netswarm import SERVER_ARGS, needs_namespaces, net_log, reference, wait_until  # noqa: F401 (fixtures)
 
 pytestmark = [needs_namespaces, pytest.mark.net]
 
@@ -35,17 +34,6 @@ B_TO_C = 0.001  # one-way seconds between b and c: they share a rack
 ANNOUNCE = ["--announce-period", "2"]  # seconds: records, and next hops' round trips, are refreshed this often
 BLOCKS = {"c": "2:4", "b": "0:2", "a": "0:4"}  # c starts first: b finds it ONLINE at its first measuring round
 WAIT = 120.0  # seconds any one condition below may take to come true
-
-
-def wait_until(predicate, timeout: float = WAIT, interval: float = 1.0):
-    """Poll until `predicate()` returns something truthy (returned) or `timeout` seconds pass (None)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return None
 
 
 def swarm_view(agent: Agent) -> dict | None:
@@ -84,9 +72,10 @@ def test_push_client_routes_through_close_servers_and_relay_client_through_the_o
             pings = view["blocks"][0].get(peer["b"], {}).get("next_pings", {})
             return view if peer["c"] in pings else None
 
-        view = wait_until(lambda: announced_and_measured(pusher))
+        view = wait_until(lambda: announced_and_measured(pusher), WAIT, interval=1.0)
         assert view is not None, f"b never announced c, or the client never measured all: {swarm_view(pusher)}"
-        measured = wait_until(lambda: (swarm_view(relayer) or {}).get("rtts", {}).keys() == everyone)
+        measured = wait_until(lambda: (swarm_view(relayer) or {}).get("rtts", {}).keys() == everyone, WAIT,
+                              interval=1.0)
         assert measured, f"the relay client never measured every server: {swarm_view(relayer)}"
         b_pings = view["blocks"][0][peer["b"]]["next_pings"]
         ms = {name_of[p]: round(rtt * 1e3, 1) for p, rtt in view["rtts"].items()}

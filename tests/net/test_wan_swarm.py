@@ -14,7 +14,7 @@ import pytest
 
 from corolla.netemu import EmulatedNetwork
 from corolla.netemu.swarm import Agent, corolla, start_dht, start_server as _start_server, wait_serving
-from netswarm import SERVER_ARGS, needs_namespaces, net_log, reference  # noqa: F401 (fixtures)
+from netswarm import SERVER_ARGS, needs_namespaces, net_log, reference, wait_until  # noqa: F401 (fixtures)
 
 pytestmark = [needs_namespaces, pytest.mark.net]
 
@@ -26,17 +26,6 @@ SERVER_PORT = "40404"
 
 def start_server(net, host, model, peers, *args, **kwargs):
     return _start_server(net, host, model, peers, *SERVER_ARGS, *args, **kwargs)
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.5):
-    """Poll until `predicate()` returns something truthy (returned) or `timeout` seconds pass (None)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return None
 
 
 def online_peers(agent: Agent, block: int) -> set[str] | None:
