@@ -14,11 +14,11 @@ from corolla.server.announcer import retry_delay
 
 def test_an_identity_file_is_created_private_and_gives_the_same_peer_id_every_time(tmp_path):
     path = tmp_path / "peer.key"
-    first = load_or_create_identity(str(path))
+    first = load_or_create_identity(str(path)).peer_id
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert load_or_create_identity(str(path)) == first
-    other = load_or_create_identity(str(tmp_path / "other.key"))
-    assert other != first and first.startswith("Qm")
+    assert load_or_create_identity(str(path)).peer_id == first
+    other = load_or_create_identity(str(tmp_path / "other.key")).peer_id
+    assert other != first and first.startswith("12D3KooW")  # Ed25519: the id holds the public key
 
 
 def test_identity_errors_name_the_problem(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -27,10 +28,11 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from corolla.dht.identity import load_or_create_identity
+from corolla.dht.identity import ephemeral_identity, load_or_create_identity
 from corolla.dht.maddrs import circuit_maddrs, dialable, peer_id_of, to_daemon_bytes
 from corolla.dht.watch import SwarmWatch
 from corolla.membership import MembershipGate, SwarmKey, SwarmKeyAuthorizer, serve_proofs
+from corolla.protocol.signing import PeerKey
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ CONNECT_TIMEOUT = 10.0  # seconds one explicit dial may take
 class SwarmNode:
     p2p: P2P
     dht: DHTNode
+    key: PeerKey  # this node's private key (its peer id's): signs its DHT records and its pushes
     initial_peers: tuple[str, ...] = ()
     relays: tuple[str, ...] = ()  # relays this node reserved a slot at (it is reachable only through them)
     gate: MembershipGate | None = None  # set in a private swarm
@@ -140,21 +143,30 @@ async def create_swarm_node(
         if peer_id_of(maddr) is not None:
             raise ValueError(f"--announce-maddrs {maddr!r}: give the address without /p2p/<peer id>")
     if identity_path is not None:
-        logger.info("identity %s: peer id %s", identity_path, load_or_create_identity(identity_path))
+        key = load_or_create_identity(identity_path)
+        logger.info("identity %s: peer id %s", identity_path, key.peer_id)
+    else:
+        key = PeerKey.generate()  # the process holds its key either way: it signs records and pushes with it
     proto = "ip6" if ":" in host else "ip4"
-    p2p = await P2P.create(
-        initial_peers=peers or None,
-        host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
-        announce_maddrs=announce or None,
-        identity_path=identity_path,
-        nat_port_map=False,
-        auto_nat=False,
-        use_relay=use_relay or relay_service or bool(relays),
-        use_auto_relay=bool(relays),
-        trusted_relays=relays or None,
-        force_reachability="public" if relay_service else "private" if relays else None,
-        use_ipfs=False,
-    )
+    with ephemeral_identity(key) if identity_path is None else nullcontext(identity_path) as key_file:
+        p2p = await P2P.create(
+            initial_peers=peers or None,
+            host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
+            announce_maddrs=announce or None,
+            identity_path=key_file,
+            # hivemind's check that nobody else uses the identity parses RSA keys only
+            check_if_identity_free=identity_path is not None and not key.is_inline,
+            nat_port_map=False,
+            auto_nat=False,
+            use_relay=use_relay or relay_service or bool(relays),
+            use_auto_relay=bool(relays),
+            trusted_relays=relays or None,
+            force_reachability="public" if relay_service else "private" if relays else None,
+            use_ipfs=False,
+        )
+    if p2p.peer_id.to_base58() != key.peer_id:
+        await p2p.shutdown()
+        raise RuntimeError(f"p2pd runs as {p2p.peer_id.to_base58()}, not as the identity's peer id {key.peer_id}")
     try:
         gate = None
         if swarm_key is not None:
@@ -174,7 +186,7 @@ async def create_swarm_node(
     except BaseException:
         await p2p.shutdown()
         raise
-    node = SwarmNode(p2p=p2p, dht=dht, initial_peers=tuple(peers), relays=tuple(relays), gate=gate)
+    node = SwarmNode(p2p=p2p, dht=dht, key=key, initial_peers=tuple(peers), relays=tuple(relays), gate=gate)
     logger.debug("dht node started peer_id=%s client_mode=%s private=%s relays=%d", node.peer_id, client_mode,
                  gate is not None, len(relays))
     return node
