@@ -11,9 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from corolla.client.event_loop import run_sync
-from corolla.protocol import rpc_handler_name
-from corolla.protocol.framing import read_frame, write_frame
-from corolla.protocol.messages import ErrorReply, PushStep
+from corolla.testing.push_attacks import push_directly, push_through_upstream
 from test_failover import BACKUP, PREFERRED, PROMPT, ActAfter, client  # noqa: F401 (fixture)
 
 THREE = {"first": "0:1", "middle": "1:3", "last": "3:4"}
@@ -69,31 +67,42 @@ def test_a_middle_server_that_fails_or_drops_a_pushed_step_is_routed_around(star
     assert peers == [swarm.peer_ids[name] for name in ("first", "replica", "last")]
 
 
-async def push_into(p2p, peer_id: str, session_id: str, step_id: int) -> ErrorReply:
-    """Push a step into another peer's session from `p2p` (not the peer its owner named); the server's answer."""
-    from hivemind.p2p import PeerID
-    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), rpc_handler_name("push"))
-    try:
-        await write_frame(writer, PushStep(session_id=session_id, step_id=step_id, position=0),
-                          {"hidden": torch.zeros(1, 1, 64)})
-        reply, _ = await read_frame(reader)
-        return reply
-    finally:
-        writer.close()
-
-
-def test_a_peer_the_owner_did_not_name_cannot_push_into_a_session(start_swarm, expected):
+def test_a_peer_the_owner_did_not_name_cannot_push_into_a_session_even_with_the_links_secret(start_swarm, expected):
     swarm = start_swarm(**{name: (blocks, []) for name, blocks in THREE.items()})
     with client(swarm) as model:
         with model.inference_session(max_length=64) as session:
             first = model.generate(PROMPT[:, :3], max_new_tokens=2, session=session)
-            middle = session._spans[1]
-            # the client's own peer is not the one it named for the middle server's session (the first server is)
-            reply = run_sync(push_into(session.manager.node.p2p, middle.span.peer_id, middle.session_id, 99))
-            assert isinstance(reply, ErrorReply)
-            assert "push refused" in reply.message and "did not name peer" in reply.message
+            spans = session._spans
+            # the client's own peer knows the secret of the link first -> middle, but is not the peer it named
+            attempt = run_sync(push_directly(model.swarm_node, spans[1].span.peer_id, spans[0].secret,
+                                             torch.zeros(1, 1, 64), position=0))
+            assert attempt.answers[0].startswith("error: push refused: no open session here accepts pushes from")
             # the session (and the server) go on as if nothing happened
             out = model.generate(PROMPT, max_new_tokens=30, session=session)
     assert first.shape[1] == 5
     assert torch.equal(out, expected)
     assert swarm.procs["middle"].popen.poll() is None
+
+
+def test_a_server_does_not_push_into_a_session_on_behalf_of_another_peer(start_swarm, expected):
+    """The confused deputy: a peer that learned a victim's session opens its own session on the upstream server,
+    names the victim's server as its push target and asks for a push. With a guessed secret the victim's server
+    refuses the push; with the link's real secret (leaked) the upstream refuses to push over a link another of its
+    sessions owns. Either way nothing of the victim's session is overwritten, rolled back or returned to the attacker."""
+    swarm = start_swarm(**{name: (blocks, []) for name, blocks in THREE.items()})
+    with client(swarm) as model, client(swarm) as attacker:
+        with model.inference_session(max_length=64) as session:
+            model.generate(PROMPT[:, :3], max_new_tokens=2, session=session)
+            spans = session._spans
+            held = session.position
+            for secret, position in [("0" * 32, 0), ("1" * 32, 2), (spans[0].secret, 0)]:
+                attempt = run_sync(push_through_upstream(
+                    attacker.swarm_node, spans[0].span.peer_id, (spans[0].span.start, spans[0].span.end),
+                    spans[1].span.peer_id, secret, torch.randn(1, 3, 64), position=position))
+                if secret == spans[0].secret:
+                    assert attempt.answers == ("error: push refused: another session already pushes over this link",)
+                else:  # opened, and its own step answered by the upstream: nothing of the victim's came back
+                    assert attempt.answers[0] == "session_opened" and len(attempt.outputs) == 1, attempt.answers
+            assert session.position == held
+            out = model.generate(PROMPT, max_new_tokens=30, session=session)
+    assert torch.equal(out, expected)

@@ -1,30 +1,45 @@
-"""Push mode's pure rules: the route a step carries, who each server must accept pushes from, when a step is
-pushed, and which pushes a server accepts."""
+"""Push mode's pure rules: the links the owner sets between the servers of a route, when a step is pushed, which
+pushes a server accepts, and what a receipt proves (who is blamed for a pushed step's answer)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from corolla.client.push_route import RouteHop, can_push, push_route, sources_to_fix
-from corolla.protocol.messages import PushHop, PushStep
-from corolla.server.push import LiveSession, authorize_push, next_push
+from corolla.client.push_audit import answer_problem, judge_receipt
+from corolla.client.push_route import RouteHop, can_push, links_to_fix, wanted_links
+from corolla.protocol.messages import PushSource, PushTarget
+from corolla.protocol.receipts import sign_receipt, tensor_digest
+from corolla.protocol.signing import PeerKey
+from corolla.server.push import LiveSession, PushLinks, outgoing_push, push_receipt_problem
 from corolla.server.validation import RequestError
 
-
-def hops() -> list[RouteHop]:
-    return [RouteHop("A", "sa", 3, None), RouteHop("B", "sb", 5, "A"), RouteHop("C", "sc", 7, "X")]
+SECRETS = {"A": "a" * 32, "B": "b" * 32, "C": "c" * 32}
 
 
-def test_push_route_names_every_later_hop_in_order():
-    assert push_route(hops()) == (PushHop(peer_id="B", session_id="sb", step_id=5),
-                                  PushHop(peer_id="C", session_id="sc", step_id=7))
-    assert push_route(hops()[:1]) == ()
+def hop(peer: str, source: PushSource | None = None, target: PushTarget | None = None) -> RouteHop:
+    return RouteHop(peer, SECRETS[peer], source, target)
 
 
-def test_sources_to_fix_names_each_server_whose_predecessor_changed():
-    assert sources_to_fix(hops()) == [(2, "B")]
-    assert sources_to_fix([RouteHop("A", "sa", 1, None), RouteHop("B", "sb", 1, None)]) == [(1, "A")]
-    assert sources_to_fix([RouteHop("A", "sa", 1, "Z")]) == []  # the first server takes steps from the client only
+def test_wanted_links_chain_each_server_to_the_next_over_its_own_secret():
+    links = wanted_links([hop("A"), hop("B"), hop("C")])
+    assert links == [
+        (None, PushTarget(peer_id="B", secret=SECRETS["A"])),
+        (PushSource(peer_id="A", secret=SECRETS["A"]), PushTarget(peer_id="C", secret=SECRETS["B"])),
+        (PushSource(peer_id="B", secret=SECRETS["B"]), None),
+    ]
+
+
+def test_links_to_fix_names_only_the_servers_whose_links_changed():
+    (_, a_target), (b_source, b_target), (c_source, _) = wanted_links([hop("A"), hop("B"), hop("C")])
+    settled = [hop("A", None, a_target), hop("B", b_source, b_target), hop("C", c_source, None)]
+    assert links_to_fix(settled) == []
+    # C was replaced by a fresh session opened as a route of its own: B must push to it, it must accept B
+    fresh = [*settled[:2], hop("C")]
+    assert links_to_fix(fresh) == [(2, c_source, None)]
+    # B replaced: A's target and C's source stay right only if B's replacement reuses nothing: both B and A change
+    replaced = [hop("A", None, PushTarget(peer_id="Z", secret=SECRETS["A"])), hop("B"), settled[2]]
+    assert [i for i, _, _ in links_to_fix(replaced)] == [0, 1]
 
 
 def test_can_push_needs_push_on_two_spans_and_no_deep_prompts_to_send():
@@ -35,24 +50,95 @@ def test_can_push_needs_push_on_two_spans_and_no_deep_prompts_to_send():
     assert can_push(3, True, 5, 5)
 
 
-def test_next_push_carries_the_step_and_the_rest_of_the_route():
-    route = (PushHop(peer_id="B", session_id="sb", step_id=5), PushHop(peer_id="C", session_id="sc", step_id=7))
-    peer, message = next_push(route, 12, [1, 0])
-    assert peer == "B"
-    assert message == PushStep(session_id="sb", step_id=5, position=12, hypo_ids=[1, 0], push_to=route[1:])
-    assert next_push((), 12, None) is None
+def live() -> LiveSession:
+    return LiveSession(session=object(), writer=object())  # type: ignore[arg-type]
 
 
-def live(push_from: str | None) -> LiveSession:
-    return LiveSession(session=object(), writer=object(), push_from=push_from)  # type: ignore[arg-type]
+def test_only_the_named_peer_presenting_the_links_secret_may_push():
+    links, session = PushLinks(), live()
+    links.set_source(session, PushSource(peer_id="A", secret=SECRETS["A"]))
+    assert links.authorize("A", SECRETS["A"]) is session
+    with pytest.raises(RequestError, match="no open session here accepts pushes from B"):
+        links.authorize("B", SECRETS["A"])  # the right secret from another peer
+    with pytest.raises(RequestError, match="no open session here accepts pushes from A"):
+        links.authorize("A", SECRETS["B"])  # the right peer over another link (another client's session on A)
+    assert links.accepting("A") == [session] and links.accepting("B") == []
+    links.set_source(session, None)  # its owner names nobody: nobody may push
+    with pytest.raises(RequestError):
+        links.authorize("A", SECRETS["A"])
 
 
-def test_only_the_named_predecessor_may_push():
-    session = live("A")
-    assert authorize_push(session, "s1", "A") is session
-    with pytest.raises(RequestError, match="did not name peer B"):
-        authorize_push(session, "s1", "B")
-    with pytest.raises(RequestError, match="did not name peer A"):
-        authorize_push(live(None), "s1", "A")  # nobody named: nobody may push
-    with pytest.raises(RequestError, match="no open session s2"):
-        authorize_push(None, "s2", "A")
+def test_a_second_session_cannot_take_over_an_existing_push_link():
+    links, first, second = PushLinks(), live(), live()
+    links.set_source(first, PushSource(peer_id="A", secret=SECRETS["A"]))
+    with pytest.raises(RequestError, match="already uses this push link"):
+        links.set_source(second, PushSource(peer_id="A", secret=SECRETS["A"]))
+    links.drop(first)
+    links.set_source(second, PushSource(peer_id="A", secret=SECRETS["A"]))
+    assert links.authorize("A", SECRETS["A"]) is second
+
+
+def test_only_one_session_may_push_over_a_link():
+    links, victim, attacker = PushLinks(), live(), live()
+    links.set_target(victim, PushTarget(peer_id="B", secret=SECRETS["A"]))
+    with pytest.raises(RequestError, match="already pushes over this link"):
+        links.set_target(attacker, PushTarget(peer_id="B", secret=SECRETS["A"]))
+    links.set_target(attacker, PushTarget(peer_id="B", secret=SECRETS["B"]))  # its own link is fine
+    links.drop(victim)
+    links.set_target(attacker, PushTarget(peer_id="B", secret=SECRETS["A"]))
+
+
+def test_a_push_carries_the_pushers_receipt_which_the_receiver_checks_against_what_arrived():
+    key = PeerKey.generate()
+    hidden, mask = torch.randn(1, 2, 8), torch.ones(1, 7, dtype=torch.bool)
+    target = PushTarget(peer_id="B", secret=SECRETS["A"])
+    message, tensors = outgoing_push(key, target, step_id=9, position=5, hypo_ids=None, push=True, hidden=hidden, mask=mask)
+    assert message.secret == SECRETS["A"] and message.receipt.pusher == key.peer_id
+    assert push_receipt_problem(message, tensors, pusher=key.peer_id, receiver="B") is None
+    assert "digest" in push_receipt_problem(message, {**tensors, "hidden": hidden + 1}, pusher=key.peer_id, receiver="B")
+    assert "does not describe" in push_receipt_problem(message, tensors, pusher="someone-else", receiver="B")
+    assert "does not describe" in push_receipt_problem(message, tensors, pusher=key.peer_id, receiver="C")
+    forged = message.model_copy(update={"receipt": message.receipt.model_copy(update={"position": 0}), "position": 0})
+    assert "signature" in push_receipt_problem(forged, tensors, pusher=key.peer_id, receiver="B")
+
+
+def judge(receipt, digest, **changes):
+    expected = dict(pusher=receipt.pusher if receipt else "A", receiver="B", secret=SECRETS["A"], step_id=9,
+                    position=5, hypo_ids=None, digest=digest)
+    return judge_receipt(receipt, **{**expected, **changes})
+
+
+def test_a_receipt_blames_the_receiver_unless_it_is_the_pushers_signature_of_this_step():
+    key = PeerKey.generate()
+    copy = torch.randn(1, 2, 8)
+    digest = tensor_digest(copy, None)
+    receipt = sign_receipt(key, "B", SECRETS["A"], 9, 5, None, True, digest)
+    assert judge(receipt, digest) is None
+    assert judge(None, digest).who == "receiver"
+    assert judge(receipt, digest, secret=SECRETS["B"]).who == "receiver"  # a receipt of another session's link
+    assert judge(receipt, digest, step_id=10).who == "receiver"  # an old receipt replayed
+    assert judge(receipt, digest, receiver="C").who == "receiver"
+    forged = receipt.model_copy(update={"digest": tensor_digest(copy + 1, None)})
+    assert judge(forged, digest).who == "receiver"  # nobody but the pusher can sign another digest
+
+
+def test_a_valid_receipt_of_other_tensors_or_another_position_convicts_the_pusher():
+    key = PeerKey.generate()
+    copy = torch.randn(1, 2, 8)
+    honest = tensor_digest(copy, None)
+    corrupt = sign_receipt(key, "B", SECRETS["A"], 9, 5, None, True, tensor_digest(copy * 1.01, None))
+    assert judge(corrupt, honest).who == "pusher"
+    rolled_back = sign_receipt(key, "B", SECRETS["A"], 9, 0, None, True, honest)
+    assert judge(rolled_back, honest).who == "pusher"
+    reordered = sign_receipt(key, "B", SECRETS["A"], 9, 5, [0], True, honest)
+    assert judge(reordered, honest).who == "pusher"
+
+
+def test_an_answer_must_have_the_steps_shape_be_finite_and_of_sane_size():
+    x = torch.randn(2, 3, 8)
+    assert answer_problem(x * 3, x) is None
+    assert "shape" in answer_problem(x[:, :2], x)
+    assert "NaN" in answer_problem(torch.full_like(x, float("nan")), x)
+    assert "inf" in answer_problem(x.masked_fill(x > 1, float("inf")), x)
+    assert "larger" in answer_problem(x * 1e6, x)
+    assert "dtype" in answer_problem(torch.zeros(2, 3, 8, dtype=torch.int32), x)

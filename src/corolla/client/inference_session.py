@@ -11,144 +11,23 @@ and continues the same step: the failure is invisible to the caller.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 import torch
 
-from corolla.client.config import ClientConfig
-from corolla.client.connection import Connection
 from corolla.client.event_loop import run_sync
-from corolla.client.push_route import RouteHop, can_push, push_route, sources_to_fix
+from corolla.client.push_route import RouteHop, can_push, links_to_fix, wanted_links
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
 from corolla.client.session_state import CallReading, SessionState
+from corolla.client.span_session import BadAnswer, PushFailed, SpanSession, new_secret, pushed_by
 from corolla.client.spot_checks import SessionChecks, client_checks  # spot checks (ClientConfig.verify_rate)
-from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import PeerUnavailable, RemoteError, SessionExpired
-from corolla.protocol.messages import (
-    AllowPush,
-    BlockRange,
-    PushAllowed,
-    PushHop,
-    CloseSession,
-    InferenceStep,
-    OpenSession,
-    SessionOpened,
-    StepResult,
-)
 
 logger = logging.getLogger(__name__)
-
-class PushFailed(Exception):
-    """A server computed its span (`output`) but could not push it on: the next server is to be replaced."""
-
-    def __init__(self, message: str, output: torch.Tensor):
-        super().__init__(message)
-        self.output = output
-
-
-class _SpanSession:
-    """The stream to one server for blocks [span.start, span.end), with the inputs it has been sent."""
-
-    def __init__(self, span: Span, connection: Connection, prompts: torch.Tensor | None = None, session_id: str = "",
-                 push_from: str | None = None):
-        self.span = span
-        self.connection = connection
-        self.session_id = session_id  # the server's id of this session (pushes name it)
-        self.push_from = push_from  # the peer the server accepts pushed steps from
-        self.prompts = prompts  # deep prompts of this span's blocks (end - start, P, H), or None
-        self.history: torch.Tensor | None = None  # (B, tokens, H): inputs at positions [0, tokens)
-        self.step_id = 0
-        # spot checks: the first position whose output from this server reached the chain (a replacement opened
-        # mid-session as the last span of its route: the position it took over at; otherwise 0)
-        self.first_output = 0
-
-    @classmethod
-    async def open(cls, manager: SequenceManager, span: Span, max_length: int, batch_size: int, config: ClientConfig,
-                   prompts: torch.Tensor | None = None, push_from: str | None = None) -> _SpanSession:
-        connection = await Connection.open(manager.node.p2p, span.peer_id, "inference", config.connect_timeout)
-        try:
-            await connection.send(
-                OpenSession(
-                    protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
-                    max_length=max_length, batch_size=batch_size, alloc_timeout=config.alloc_timeout,
-                    active_adapter=config.active_adapter, push_from=push_from,
-                )
-            )
-            reply, _ = await connection.receive(config.connect_timeout + config.alloc_timeout)
-            if not isinstance(reply, SessionOpened):
-                raise PeerUnavailable(f"server {span.peer_id} answered open_session with {reply.kind}")
-        except BaseException:
-            connection.close()
-            raise
-        return cls(span, connection, prompts, reply.session_id, push_from)
-
-    def hop(self) -> RouteHop:
-        """This span as the next step's route names it (the step id it will answer that step with)."""
-        return RouteHop(self.span.peer_id, self.session_id, self.step_id + 1, self.push_from)
-
-    async def allow_push(self, peer_id: str, timeout: float) -> None:
-        """Make the server accept pushed steps from `peer_id` (only) from now on."""
-        await self.connection.send(AllowPush(peer_id=peer_id))
-        reply, _ = await self.connection.receive(timeout)
-        if not isinstance(reply, PushAllowed):
-            raise PeerUnavailable(f"server {self.span.peer_id} answered allow_push with {reply.kind}")
-        self.push_from = peer_id
-
-    async def step(self, hidden: torch.Tensor, position: int, timeout: float, mask: torch.Tensor | None = None,
-                   hypo_ids: list[int] | None = None) -> torch.Tensor:
-        """Send hidden (B, T, H) at `position`; returns the span's output (B, T, H) and records the input.
-
-        `mask` (B, position + T) is the attention mask of the whole session, sent only for padded batches;
-        `hypo_ids` reorders the cached rows first (beam search), and the recorded history with them, so that a
-        replay rebuilds the reordered caches. The span's deep prompts go with every step that holds a position below P.
-        """
-        await self.send(hidden, position, mask, hypo_ids)
-        return await self.receive(hidden, position, timeout, hypo_ids)
-
-    async def send(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None = None,
-                   hypo_ids: list[int] | None = None, push_to: tuple[PushHop, ...] = ()) -> None:
-        """Send a step (see `step`); with `push_to`, the server pushes its output on along that route."""
-        self.step_id += 1
-        tensors = {"hidden": hidden}
-        if mask is not None:
-            tensors["attention_mask"] = mask
-        if self.prompts is not None and position < self.prompts.shape[1]:
-            tensors["prompts"] = self.prompts
-        await self.connection.send(InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids,
-                                                 push_to=push_to), tensors)
-
-    async def receive(self, hidden: torch.Tensor, position: int, timeout: float, hypo_ids: list[int] | None = None
-                      ) -> torch.Tensor:
-        """The answer to the step whose input was `hidden` (sent by us or pushed by the server before); records the
-        input. Answers to older steps (pushed before a failover replayed them) are skipped. PushFailed (after the
-        input is recorded) when the server could not push its output on."""
-        while True:
-            reply, tensors = await self.connection.receive(timeout)
-            if isinstance(reply, StepResult) and reply.step_id < self.step_id:
-                continue
-            break
-        if not isinstance(reply, StepResult) or reply.step_id != self.step_id:
-            raise PeerUnavailable(f"server {self.span.peer_id} answered step {self.step_id} with {reply.kind}")
-        output = tensors["hidden"]
-        if output.shape != hidden.shape:
-            raise PeerUnavailable(f"server {self.span.peer_id} returned shape {tuple(output.shape)} for {tuple(hidden.shape)}")
-        kept = self.history[:, :position] if self.history is not None else None
-        if kept is not None and hypo_ids is not None:
-            kept = kept[hypo_ids]  # (B, position, H): row i now holds hypothesis hypo_ids[i]'s inputs
-        self.history = hidden if kept is None or kept.shape[1] == 0 else torch.cat([kept, hidden], dim=1)
-        if reply.push_error is not None:
-            raise PushFailed(reply.push_error, output)
-        return output
-
-    async def close(self) -> None:
-        try:
-            await asyncio.wait_for(self.connection.send(CloseSession()), 1.0)
-        except (PeerUnavailable, asyncio.TimeoutError):
-            pass
-        self.connection.close()
 
 
 class InferenceSession:
@@ -191,12 +70,13 @@ class InferenceSession:
         self.prompts = None if prompts is None else prompts.detach()
         self.prefix = None if prefix is None else prefix.detach()
         self._state = SessionState(batch_size, 0 if prefix is None else prefix.shape[0])
-        self._spans: list[_SpanSession] | None = None
+        self._spans: list[SpanSession] | None = None
         self.closed = False
         self.steps = 0  # steps that reached the servers: round trips through the chain (failover replays not counted)
         # spot checks of this session's servers (client.spot_checks), None when ClientConfig.verify_rate is 0
         self.checks: SessionChecks | None = SessionChecks(client_checks(manager)) if manager.config.verify_rate > 0 else None
         self.pushed_steps = 0  # steps that went server to server all the way (push mode, no hop failed)
+        self._next_id = itertools.count(1).__next__  # step ids, shared by every span (a pushed step keeps its id)
         self.exchanges = 0  # requests sent to a server and waited for (see the class docstring)
 
     # ------------------------------------------------------------------ what the session holds
@@ -371,38 +251,113 @@ class InferenceSession:
 
     async def _push_step(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None,
                          hypo_ids: list[int] | None) -> torch.Tensor:
-        """Send the step to the first server with the rest of the route, then read every span's copy of its output
-        in route order (the last one is the answer). A failed hop: that server is replaced (client.push_route's
-        rules) and the step relayed from there."""
+        """Send the step to the first server, which pushes it on along the links the client set, then read every
+        span's copy of its output in route order (the last one is the answer), each checked (client.push_audit)
+        before any is recorded. What goes wrong at span i is handled by who is at fault:
+
+        - span i could not push on (push_error): the step is relayed to span i + 1, which is not blamed for it;
+        - span i (i > 0) is silent: the step is relayed to it; if it then answers, span i - 1 did not push;
+        - span i's answer is malformed, or its receipt not the pusher's: span i fails (banned, replaced);
+        - span i - 1's own signed receipt shows it pushed something else than it returned: span i - 1 is distrusted
+          and replaced, and the later spans' caches are rebuilt from their histories before the step is relayed.
+        """
         spans = self._spans
         assert spans is not None
         timeout = self.config.request_timeout
         try:
-            for i, peer in sources_to_fix([s.hop() for s in spans]):
-                await spans[i].allow_push(peer, self.config.connect_timeout)
+            await self._fix_links(spans)
         except (PeerUnavailable, RemoteError) as e:  # relaying finds (and replaces) the server that failed
-            logger.info("allow_push failed: %s", e)
+            logger.info("set_push failed: %s", e)
             return await self._relay(hidden, position, mask, hypo_ids, 0)
-        x, index = hidden, 0
+        inputs, index = [hidden], 0
         try:
-            route = push_route([s.hop() for s in spans])
+            step_id = await spans[0].send(hidden, position, mask, hypo_ids, push=True)
             for span in spans[1:]:
-                span.step_id += 1  # the step id each later server answers the pushed step with
-            await spans[0].send(hidden, position, mask, hypo_ids, route)
+                span.step_id = step_id  # every later server answers the pushed step with its id
             self.exchanges += 1
             while index < len(spans):
-                x = await spans[index].receive(x, position, timeout, hypo_ids)
-                self.manager.forgive(spans[index].span.peer_id)
-                if self.checks is not None and mask is None and hypo_ids is None:  # spot checks, as in _relay
-                    self.checks.after_step(spans[index], position, x, spans[index].prompts)
+                pushed = None if index == 0 else pushed_by(spans[index - 1], inputs[index], mask)
+                inputs.append(await spans[index].receive(inputs[index], timeout, pushed, position, hypo_ids))
                 index += 1
         except PushFailed as e:  # spans[index] answered, the one after it did not get the step
             logger.info("push failed after span %d: %s", index, e)
-            return await self._relay(e.output, position, mask, hypo_ids, index + 1, PeerUnavailable(str(e)))
+            inputs.append(e.output)
+            self._accept(spans[: index + 1], inputs, position, mask, hypo_ids)
+            return await self._relay(e.output, position, mask, hypo_ids, index + 1)
+        except BadAnswer as e:
+            if e.blame.who == "pusher":  # its own answer is not kept: it is replaced and the step relayed from it
+                self._accept(spans[: index - 1], inputs, position, mask, hypo_ids)
+                return await self._convict_pusher(index - 1, inputs[index - 1], position, mask, hypo_ids, e)
+            self._accept(spans[:index], inputs, position, mask, hypo_ids)
+            return await self._relay(inputs[index], position, mask, hypo_ids, index, e)
+        except (PeerUnavailable, RemoteError) as e:
+            self._accept(spans[:index], inputs, position, mask, hypo_ids)
+            if index > 0 and isinstance(e, PeerUnavailable):
+                return await self._relay_unpushed(inputs[index], position, mask, hypo_ids, index, e)
+            return await self._relay(inputs[index], position, mask, hypo_ids, index, e)
+        self._accept(spans, inputs, position, mask, hypo_ids)
+        self.pushed_steps += 1
+        return inputs[-1]
+
+    def _accept(self, spans: Sequence[SpanSession], inputs: list[torch.Tensor], position: int,
+                mask: torch.Tensor | None, hypo_ids: list[int] | None) -> None:
+        """Record the checked answers of `spans` (the route's first ones) to a step: their inputs, forgiveness, and
+        maybe a spot check of each (client.spot_checks)."""
+        for i, span in enumerate(spans):
+            span.record(inputs[i], position, hypo_ids)
+            self.manager.forgive(span.span.peer_id)
+            if self.checks is not None and mask is None and hypo_ids is None:
+                self.checks.after_step(span, position, inputs[i + 1], span.prompts)
+
+    async def _relay_unpushed(self, x: torch.Tensor, position: int, mask: torch.Tensor | None,
+                              hypo_ids: list[int] | None, index: int, error: Exception) -> torch.Tensor:
+        """spans[index] never answered a pushed step: send it the step directly. If it answers now, the server before
+        it did not push (it is banned for a while: that link does not work); if not, spans[index] failed."""
+        span, pusher = self._spans[index], self._spans[index - 1]
+        try:
+            self.exchanges += 1
+            out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids)
         except (PeerUnavailable, RemoteError) as e:
             return await self._relay(x, position, mask, hypo_ids, index, e)
-        self.pushed_steps += 1
-        return x
+        logger.warning("server %s answered the step relayed to it, but not when %s pushed it (%s); banning %s",
+                       span.span.peer_id, pusher.span.peer_id, error, pusher.span.peer_id)
+        self.manager.ban(pusher.span.peer_id)
+        self.manager.forgive(span.span.peer_id)
+        if self.checks is not None and mask is None and hypo_ids is None:
+            self.checks.after_step(span, position, out, span.prompts)
+        return await self._relay(out, position, mask, hypo_ids, index + 1)
+
+    async def _convict_pusher(self, index: int, x: torch.Tensor, position: int, mask: torch.Tensor | None,
+                              hypo_ids: list[int] | None, error: BadAnswer) -> torch.Tensor:
+        """spans[index] pushed something else than it returned (its signed receipt proves it): distrust it, replace
+        it, rebuild the caches of every span after it from their histories (its pushes reached them), and relay the
+        step from it, whose input was `x`."""
+        spans = self._spans
+        assert spans is not None
+        liar = spans[index].span.peer_id
+        logger.warning("distrusting peer=%s: %s", liar, error.blame.reason)
+        self._distrust(liar, error.blame.reason)
+        before = len(spans)
+        await self._replace_span(index, position)
+        for later in self._spans[index + len(self._spans) - before + 1:]:
+            if later.history is not None and later.history.shape[1] >= position > 0:
+                self.exchanges += 1
+                await later.step(later.history[:, :position], 0, self.config.request_timeout,
+                                 self._state.replay_mask(position))
+        return await self._relay(x, position, mask, hypo_ids, index)
+
+    def _distrust(self, peer_id: str, reason: str) -> None:
+        """Never route through `peer_id` again in this client (proven wrong), and keep it in the reputation record."""
+        if self.checks is not None:
+            self.checks.client.reputation.failed(peer_id, distrust=True)
+            self.checks.client.save(now=True)
+        self.manager.distrusted.add(peer_id)
+
+    async def _fix_links(self, spans: list[SpanSession]) -> None:
+        """Send SetPush to every span whose push links differ from what the route needs (client.push_route)."""
+        fixes = links_to_fix([s.hop() for s in spans])
+        await asyncio.gather(*(spans[i].set_push(source, target, self.config.connect_timeout)
+                               for i, source, target in fixes))
 
     async def _relay(self, x: torch.Tensor, position: int, mask: torch.Tensor | None, hypo_ids: list[int] | None,
                      index: int, failed: Exception | None = None) -> torch.Tensor:
@@ -433,6 +388,13 @@ class InferenceSession:
             index += 1
         return x
 
+    async def _replace_span(self, index: int, position: int) -> None:
+        """Close spans[index] and open a fresh route over its blocks, replaying its inputs before `position`."""
+        span = self._spans[index]
+        await span.close()
+        history = span.history[:, :position] if span.history is not None else None
+        self._spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
+
     async def replace_distrusted(self, position: int) -> None:
         """Spot checks: replace every span served by a distrusted peer (replaying its kept inputs before `position`
         into a replacement, as failover does) and roll the session back to `position`."""
@@ -447,11 +409,9 @@ class InferenceSession:
                     continue
                 if self.checks is not None:
                     self.checks.replaced.add(span.span.peer_id)
-                await span.close()
-                history = span.history[:, :position] if span.history is not None else None
-                replacement = await self._open_chain(span.span.start, span.span.end, history)
-                self._spans[index : index + 1] = replacement
-                index += len(replacement)
+                before = len(self._spans)
+                await self._replace_span(index, position)
+                index += len(self._spans) - before + 1
         self.rollback(position)
         if self.checks is not None:
             rewind = self.checks.rewind  # a check that found another liar meanwhile keeps its rewind for the next call
@@ -459,25 +419,30 @@ class InferenceSession:
                 self.checks.rewind = None
             self.checks.rewinds.append(position)
 
-    async def _open_chain(self, start: int, end: int, history: torch.Tensor | None) -> list[_SpanSession]:
+    async def _open_chain(self, start: int, end: int, history: torch.Tensor | None) -> list[SpanSession]:
         """Open sessions on a fresh route over [start, end) and replay `history` (inputs at block `start`) into them.
 
-        A server failing while being opened or replayed into is banned and the route re-planned, up to max_retries.
+        Each span's session is opened with the push links of this route (client.push_route); the links to the spans
+        around it, when it replaces part of a route, are set before the next push step. A server failing while
+        being opened or replayed into is banned and the route re-planned, up to max_retries.
         """
         failures = 0
         while True:
             route = await self.manager.make_route(
                 start, end, cache_tokens_needed=self.batch_size * self.max_length, adapter=self.config.active_adapter)
-            opened: list[_SpanSession] = []
+            opened: list[SpanSession] = []
             span = route[0]
+            secrets = [new_secret() for _ in route]
+            links = wanted_links([RouteHop(s.peer_id, secret, None, None) for s, secret in zip(route, secrets)])
+            if not self.config.push:
+                links = [(None, None)] * len(route)
             try:
-                # every span's stream opens at once (one round trip in all, not one per server); each names the
-                # server before it as the one allowed to push into it
+                # every span's stream opens at once (one round trip in all, not one per server)
                 results = await asyncio.gather(*(
-                    _SpanSession.open(self.manager, s, self.max_length, self.batch_size, self.config,
-                                      self._span_prompts(s), route[i - 1].peer_id if i else None)
-                    for i, s in enumerate(route)), return_exceptions=True)
-                opened = [r for r in results if isinstance(r, _SpanSession)]
+                    SpanSession.open(self.manager, s, self.max_length, self.batch_size, self.config, self._next_id,
+                                     self._span_prompts(s), secret, source, target)
+                    for s, secret, (source, target) in zip(route, secrets, links)), return_exceptions=True)
+                opened = [r for r in results if isinstance(r, SpanSession)]
                 for s, r in zip(route, results):
                     if isinstance(r, BaseException):
                         span = s
@@ -508,5 +473,5 @@ class InferenceSession:
         return self.prompts[span.start - self.start : span.end - self.start]
 
     @staticmethod
-    async def _close_spans(spans: Sequence[_SpanSession]) -> None:
+    async def _close_spans(spans: Sequence[SpanSession]) -> None:
         await asyncio.gather(*(s.close() for s in spans), return_exceptions=True)

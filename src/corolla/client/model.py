@@ -57,6 +57,14 @@ class DistributedModelForCausalLM(nn.Module):
         self._active = threading.local()  # per thread: the session of the innermost `with inference_session()`
 
     @property
+    def swarm_node(self) -> SwarmNode:
+        """This client's P2P and DHT node (its peer id, its DHT), e.g. for tools that talk to the swarm beside the
+        model. RuntimeError after `shutdown`."""
+        if self._node is None:
+            raise RuntimeError("this model was shut down: it has no swarm node any more")
+        return self._node
+
+    @property
     def dtype(self) -> torch.dtype:
         return next(self.head.parameters()).dtype
 

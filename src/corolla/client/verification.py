@@ -139,7 +139,7 @@ class Rewind:
 
 def rewind_position(first_output: int) -> int:
     """Where to rewind after a server was found wrong: the first position whose output of that server reached the
-    rest of the chain (`first_output`, from its _SpanSession), not the first position the failed check covered: a
+    rest of the chain (`first_output`, from its SpanSession), not the first position the failed check covered: a
     server caught lying may have lied before, unchecked (a check passed earlier covered only the steps it drew)."""
     return max(first_output, 0)
 

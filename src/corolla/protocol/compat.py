@@ -25,7 +25,7 @@ import msgpack
 
 from corolla.protocol.framing import HEADER_LEN_BYTES, LEN_BYTES, MAX_FRAME_BYTES
 
-LEGACY_VERSIONS: tuple[int, ...] = (1, 2)  # older protocols whose peers get an error frame they can decode
+LEGACY_VERSIONS: tuple[int, ...] = (1, 2, 3)  # older protocols whose peers get an error frame they can decode
 _DISCARD_CHUNK = 1 << 20  # bytes read at a time from a legacy frame that is thrown away
 
 

@@ -15,6 +15,8 @@ from typing import Annotated, ClassVar, Literal, NewType
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from corolla.protocol.signing import MAX_PUBLIC_KEY_BYTES, MAX_SIGNATURE_BYTES
+
 PeerIdStr = NewType("PeerIdStr", str)  # a libp2p peer id in base58, as hivemind prints it
 SessionId = NewType("SessionId", str)
 
@@ -24,7 +26,7 @@ MAX_ADAPTER_NAME = 4096  # characters of an adapter's name (a hub repo id or a p
 MAX_MADDRS = 16  # multiaddrs a server may announce
 MAX_MADDR_CHARS = 512
 MAX_PEER_ID = 128  # characters of a peer id or a session id
-MAX_ROUTE = 64  # later servers a pushed step may name
+MIN_SECRET, MAX_SECRET = 16, 64  # characters of a push secret (a random hex string the session's owner chose)
 MAX_NEXT_PINGS = 16  # next-hop round trips a server may announce (ServerInfo.next_pings)
 MAX_PING_SECONDS = 60.0  # the longest round trip a server may announce; a longer one is a broken link, not a ping
 
@@ -128,6 +130,24 @@ class BlockRange(_Message):
 
 
 # ---------------------------------------------------------------- rpc_inference (one bidirectional stream)
+class PushSource(_Message):
+    """Who may push steps into a session: the peer (the server before this one on the owner's route) and the secret
+    that peer's session presents. Only the session's owner names it (OpenSession, or SetPush on its own stream), and it
+    chooses the secret at random, so a peer that knows a session's id still cannot have any server push into it."""
+
+    peer_id: str = Field(min_length=1, max_length=MAX_PEER_ID)
+    secret: str = Field(min_length=MIN_SECRET, max_length=MAX_SECRET)
+
+
+class PushTarget(_Message):
+    """Where a session's outputs are pushed: the next server on the owner's route, and the secret to present there
+    (the one that server's session names in its PushSource). Set only by the session's owner: a step can ask its server
+    to push on (`InferenceStep.push`), never say where."""
+
+    peer_id: str = Field(min_length=1, max_length=MAX_PEER_ID)
+    secret: str = Field(min_length=MIN_SECRET, max_length=MAX_SECRET)
+
+
 class OpenSession(_Message):
     """First message of an rpc_inference stream: reserve KV cache for `batch_size` x `max_length` tokens."""
 
@@ -138,17 +158,39 @@ class OpenSession(_Message):
     batch_size: int = Field(default=1, gt=0, le=MAX_BATCH_SIZE)
     alloc_timeout: float = Field(default=0.0, ge=0.0, le=3600.0)  # seconds to wait in the allocation queue
     active_adapter: str | None = Field(default=None, max_length=MAX_ADAPTER_NAME)  # LoRA adapter for every step; None: base model
-    # push mode: the one peer (the server before this one on the client's route) allowed to push steps into this
-    # session (rpc_push); None: nobody. Only the session's owner names it (here or with AllowPush on its stream).
-    push_from: str | None = Field(default=None, max_length=MAX_PEER_ID)
+    # push mode (server.push): who may push steps into this session, and where this session pushes its outputs
+    push_from: PushSource | None = None
+    push_to: PushTarget | None = None
 
 
-class PushHop(_Message):
-    """One later server of a pushed step's route: where the server before it sends its output (rpc_push)."""
+class SetPush(_Message):
+    """On a session's own stream (so only from its owner): from now on accept pushed steps from `source` only and
+    push outputs to `target` (None: nobody / nowhere). Answered with PushSet. Sent when a failover changed the route."""
 
-    peer_id: str = Field(min_length=1, max_length=MAX_PEER_ID)
-    session_id: str = Field(min_length=1, max_length=MAX_PEER_ID)
+    kind: Literal["set_push"] = "set_push"
+    source: PushSource | None = None
+    target: PushTarget | None = None
+
+
+class PushSet(_Message):
+    kind: Literal["push_set"] = "push_set"
+
+
+class PushReceipt(_Message):
+    """A pusher's signed statement of what it pushed (protocol.receipts): the digest of the tensors it sent and its
+    signature, by its peer id's key, over them and the step they were sent as. The receiving server hands it to the
+    session's owner with its answer, so the owner can tell what each server received from what the previous one
+    told the owner it sent: a corrupt push convicts its sender, never its receiver."""
+
+    pusher: str = Field(min_length=1, max_length=MAX_PEER_ID)
+    receiver: str = Field(min_length=1, max_length=MAX_PEER_ID)
     step_id: int = Field(ge=0)
+    position: int = Field(ge=0)
+    hypo_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_BATCH_SIZE)
+    push: bool
+    digest: str = Field(min_length=1, max_length=128)  # hex, of the tensors pushed (protocol.receipts.tensor_digest)
+    signature: str = Field(min_length=1, max_length=2 * MAX_SIGNATURE_BYTES)  # hex
+    public_key: str | None = Field(default=None, max_length=2 * MAX_PUBLIC_KEY_BYTES)  # hex; only for RSA peer ids
 
 
 class SessionOpened(_Message):
@@ -184,36 +226,27 @@ class InferenceStep(_Message):
     step_id: int = Field(ge=0)
     position: int = Field(ge=0)
     hypo_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_BATCH_SIZE)
-    # push mode: the rest of the route; the server sends its output to push_to[0] (rpc_push) instead of only
-    # answering here, and every server answers its own client stream with a copy of its output
-    push_to: tuple[PushHop, ...] = Field(default=(), max_length=MAX_ROUTE)
+    # push mode: besides answering here, send the output on to the session's PushTarget (rpc_push), which does the
+    # same with its own target, so the step crosses the owner's route server to server; each server answers its own
+    # owner stream with a copy of its output (with the same step_id)
+    push: bool = False
 
 
 class PushStep(_Message):
     """rpc_push (server to server, over a persistent stream): the previous server's output, tensor `hidden`
-    (B, T, H), as the next step of session `session_id` here, with the step's `attention_mask` if any. Accepted
-    only from the peer the session's owner named (OpenSession.push_from / AllowPush); the result goes to the
-    owner's own stream as a StepResult, and on to `push_to[0]`. A refusal comes back on this stream as ErrorReply."""
+    (B, T, H), as step `step_id` of the session whose PushSource is (the pushing peer, `secret`), with the step's
+    `attention_mask` if any, and the pusher's signed `receipt` of them. The result goes to that session owner's own
+    stream (with the receipt), and on to the session's own PushTarget if `push`. A push no session accepts is
+    refused on this stream (ErrorReply), which then ends."""
 
     kind: Literal["push_step"] = "push_step"
     tensor_slots: ClassVar[TensorSlots] = TensorSlots(("hidden",), ("attention_mask",))
-    session_id: str = Field(min_length=1, max_length=MAX_PEER_ID)
+    secret: str = Field(min_length=MIN_SECRET, max_length=MAX_SECRET)
     step_id: int = Field(ge=0)
     position: int = Field(ge=0)
     hypo_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_BATCH_SIZE)
-    push_to: tuple[PushHop, ...] = Field(default=(), max_length=MAX_ROUTE)
-
-
-class AllowPush(_Message):
-    """On a session's own stream (so only from its owner): from now on accept pushed steps from `peer_id` only
-    (None: from nobody). Answered with PushAllowed."""
-
-    kind: Literal["allow_push"] = "allow_push"
-    peer_id: str | None = Field(default=None, max_length=MAX_PEER_ID)
-
-
-class PushAllowed(_Message):
-    kind: Literal["push_allowed"] = "push_allowed"
+    push: bool = False
+    receipt: PushReceipt
 
 
 class StepResult(_Message):
@@ -224,6 +257,17 @@ class StepResult(_Message):
     step_id: int
     position: int  # tokens the session holds after the step
     push_error: str | None = None  # push mode: sending the output on to the next server failed (why)
+    receipt: PushReceipt | None = None  # a pushed step: the pusher's receipt of the input this answer was computed from
+
+
+class PushRefused(_Message):
+    """On a session owner's stream: a step pushed into the session was refused (its input was not finite, or did not
+    fit the session), with the pusher's `receipt` of it; the session is unchanged and stays open."""
+
+    kind: Literal["push_refused"] = "push_refused"
+    step_id: int
+    reason: str = Field(max_length=1000)
+    receipt: PushReceipt
 
 
 class CloseSession(_Message):
@@ -339,8 +383,9 @@ Message = Annotated[
     | InferenceStep
     | StepResult
     | PushStep
-    | AllowPush
-    | PushAllowed
+    | SetPush
+    | PushSet
+    | PushRefused
     | CloseSession
     | ForwardRequest
     | ForwardResult

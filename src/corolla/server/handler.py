@@ -32,6 +32,7 @@ import torch
 from corolla.protocol import rpc_handler_name
 from corolla.protocol.compat import LEGACY_VERSIONS, discard_frame, legacy_error_frame
 from corolla.protocol.errors import ProtocolError
+from corolla.protocol.signing import PeerKey
 from corolla.protocol.framing import MAX_FRAME_BYTES, abort_stream, read_frame, version_mismatch, write_frame
 from corolla.protocol.messages import (
     MAX_PROBE_BYTES,
@@ -47,11 +48,12 @@ from corolla.protocol.messages import (
     InfoRequest,
     Message,
     OpenSession,
-    AllowPush,
     ProbeReply,
     ProbeRequest,
-    PushAllowed,
+    PushRefused,
+    PushSet,
     PushStep,
+    SetPush,
     SessionOpened,
     StepResult,
 )
@@ -63,7 +65,7 @@ from corolla.server.config import ServerConfig
 from corolla.server.faults import FaultInjector, Hangup
 from corolla.server.metrics import ServerMetrics
 from corolla.server.planner import PlanLimits, plan
-from corolla.server.push import LiveSession, PushPool, authorize_push, next_push
+from corolla.server.push import LiveSession, PushLinks, PushPool, outgoing_push, push_receipt_problem
 from corolla.server.scheduling import Compute, Scheduler
 from corolla.server.sessions import ServerSession, SessionTable
 from corolla.server.validation import RequestChecks, RequestError
@@ -71,6 +73,7 @@ from corolla.server.validation import RequestChecks, RequestError
 logger = logging.getLogger(__name__)
 
 FIRST_MESSAGE_TIMEOUT = 30.0  # seconds a new stream may take to say what it wants
+UNAUTHORIZED_PUSH_FRAME = 1 << 16  # bytes of a push frame from a peer no open session accepts pushes from
 _M = TypeVar("_M", bound=Message)
 LINGER_TIMEOUT = 5.0  # seconds a finished stream waits for the client to close its end before closing ours
 
@@ -87,6 +90,7 @@ class ConnectionHandler:
         describe: Callable[[], InfoReply],
         metrics: ServerMetrics | None = None,
         authorize: Callable[[str], Awaitable[bool]] | None = None,
+        key: PeerKey | None = None,
     ):
         self.stack = stack
         self.metrics = metrics or ServerMetrics()
@@ -105,7 +109,9 @@ class ConnectionHandler:
         self.compute: Compute = self.faults or scheduler
         # a stream that has not said what it wants is an idle session: it gets no longer than one
         self.first_message_timeout = min(FIRST_MESSAGE_TIMEOUT, config.session_timeout)
-        self.live: dict[str, LiveSession] = {}  # open sessions by id, as pushes find them (server.push)
+        self.links = PushLinks()  # open sessions that accept pushes, by their source (server.push)
+        self.key = key or PeerKey.generate()  # this server's peer-id key: it signs the receipts of its pushes
+        self._pushed: set[asyncio.Task[None]] = set()  # pushed steps running (each in its session, whatever the stream)
         self.pushes: PushPool | None = None  # streams to next servers, once registered on a P2P node
 
     @property
@@ -192,16 +198,17 @@ class ConnectionHandler:
         self.checks.open_session(request)
         async with self.table.open(request, peer) as session:
             frame_limit = self.checks.step_frame_limit(session.batch_size, session.max_length, session.num_blocks)
-            live = LiveSession(session, writer, request.push_from)
-            self.live[session.id] = live
+            live = LiveSession(session, writer)
             try:
+                self.links.set_source(live, request.push_from)
+                self.links.set_target(live, request.push_to)
                 await self._send(writer, SessionOpened(session_id=session.id, max_length=session.max_length))
                 await self._serve_session(reader, live, frame_limit)
             finally:
-                self.live.pop(session.id, None)
+                self.links.drop(live)
 
     async def _serve_session(self, reader: asyncio.StreamReader, live: LiveSession, frame_limit: int) -> None:
-        """The owner's frames of one session until close_session: steps (pushed on along their route) and AllowPush."""
+        """The owner's frames of one session until close_session: steps (pushed on to its target) and SetPush."""
         session, writer = live.session, live.writer
         reading: asyncio.Future | None = None
         try:
@@ -218,72 +225,82 @@ class ConnectionHandler:
                 live.touched = time.monotonic()
                 if isinstance(message, CloseSession):
                     return
-                if isinstance(message, AllowPush):
+                if isinstance(message, SetPush):
                     async with live.lock:
-                        live.push_from = message.peer_id
-                        await self._send(writer, PushAllowed())
+                        self.links.set_source(live, message.source)
+                        self.links.set_target(live, message.target)
+                        await self._send(writer, PushSet())
                     continue
                 if not isinstance(message, InferenceStep):
                     raise RequestError(ErrorCode.BAD_REQUEST, f"expected an inference step, got {message.kind}")
                 async with live.lock:
                     result, output = await self.run_step(session, message, tensors)
-                    result = await self._push_on(result, message.push_to, message, output, tensors.get("attention_mask"))
+                    if message.push:
+                        result = await self._push_on(live, result, message, output, tensors.get("attention_mask"))
                     await self._send(writer, result, {"hidden": output})
         finally:
             if reading is not None:
                 reading.cancel()
 
-    async def _push_on(self, result: StepResult, push_to, message: InferenceStep | PushStep, output: torch.Tensor,
-                       mask: torch.Tensor | None) -> StepResult:
-        """Send a step's output to the next server of its route, if any; the answer to the client, naming a failed push."""
-        hop = next_push(push_to, message.position, message.hypo_ids)
-        if hop is None or self.pushes is None:
+    async def _push_on(self, live: LiveSession, result: StepResult, message: InferenceStep | PushStep,
+                       output: torch.Tensor, mask: torch.Tensor | None) -> StepResult:
+        """Send a step's output on to the session's push target (the owner set it), with this server's signed receipt;
+        the answer to the owner, naming a failed push. Nothing to do without a target (the route's last server)."""
+        target = live.target
+        if target is None or self.pushes is None:
             return result
-        peer, push = hop
-        tensors = {"hidden": output} if mask is None else {"hidden": output, "attention_mask": mask}
+        push, tensors = outgoing_push(self.key, target, message.step_id, message.position, message.hypo_ids,
+                                      True, output, mask)
         try:
-            await self.pushes.send(peer, push, tensors)
+            await self.pushes.send(target.peer_id, push, tensors)
         except Exception as e:  # the next server is gone: the client replaces it and relays this step
-            logger.info("push to %s failed: %r", peer, e)
-            return result.model_copy(update={"push_error": f"push to {peer} failed: {type(e).__name__}: {e}"})
+            logger.info("push to %s failed: %r", target.peer_id, e)
+            return result.model_copy(update={"push_error": f"push to {target.peer_id} failed: {type(e).__name__}: {e}"})
         return result
 
     # ------------------------------------------------------------------ rpc_push
     async def rpc_push(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        """Steps pushed by the previous server of clients' routes, on one persistent stream; each runs in its own
-        session (if `peer` may push there), its refusal answered here, its result on the session owner's stream."""
-        write_lock = asyncio.Lock()
-        tasks: set[asyncio.Task[None]] = set()
-        try:
-            while True:
-                try:
-                    message, tensors = await asyncio.wait_for(read_frame(reader), self.config.session_timeout)
-                except asyncio.TimeoutError:
-                    return
-                if not isinstance(message, PushStep):
-                    raise RequestError(ErrorCode.BAD_REQUEST, f"this stream takes push_step, got {message.kind}")
-                try:
-                    live = authorize_push(self.live.get(message.session_id), message.session_id, peer)
-                except RequestError as e:
-                    logger.info("push refused peer=%s reason=%s", peer, e)
-                    async with write_lock:
-                        await self._send(writer, ErrorReply(code=e.code, message=str(e)))
-                    continue
-                task = asyncio.create_task(self._run_pushed(live, message, tensors))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-        finally:
-            for task in tasks:
-                task.cancel()
+        """Steps pushed by the previous server of owners' routes, on one persistent stream; each runs in the session
+        whose owner named (`peer`, the push's secret) as its source. A frame is bounded, before it is read, by the
+        largest step a session accepting pushes from `peer` can take (a peer no session names may send only a small
+        header); a push that no session accepts, or whose receipt is not the pusher's signature of what it sent,
+        is refused on this stream, which then ends. A pushed step the session cannot take (not finite, past its
+        length...) goes to the owner as PushRefused, with the receipt, and leaves the session as it was."""
+        while True:
+            limit = max((self.checks.step_frame_limit(live.session.batch_size, live.session.max_length,
+                                                      live.session.num_blocks) for live in self.links.accepting(peer)),
+                        default=UNAUTHORIZED_PUSH_FRAME)
+            try:
+                message, tensors = await asyncio.wait_for(read_frame(reader, limit), self.config.session_timeout)
+            except asyncio.TimeoutError:
+                return
+            if not isinstance(message, PushStep):
+                raise RequestError(ErrorCode.BAD_REQUEST, f"this stream takes push_step, got {message.kind}")
+            live = self.links.authorize(peer, message.secret)
+            problem = push_receipt_problem(message, tensors, pusher=peer, receiver=self.key.peer_id)
+            if problem is not None:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"push refused: {problem}")
+            task = asyncio.create_task(self._run_pushed(live, message, tensors))
+            self._pushed.add(task)
+            task.add_done_callback(self._pushed.discard)
 
     async def _run_pushed(self, live: LiveSession, message: PushStep, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Run a pushed step in `live`; a failure is the session's error (sent to its owner, its stream ended)."""
+        """Run a pushed step in `live`. A step the session cannot take is refused to its owner (PushRefused, the
+        session unchanged); any other failure is the session's error (sent to its owner, its stream ended)."""
         live.touched = time.monotonic()
         async with live.lock:
             try:
                 step = InferenceStep(step_id=message.step_id, position=message.position, hypo_ids=message.hypo_ids)
-                result, output = await self.run_step(live.session, step, tensors)
-                result = await self._push_on(result, message.push_to, message, output, tensors.get("attention_mask"))
+                try:
+                    result, output = await self.run_step(live.session, step, tensors)
+                except RequestError as e:
+                    logger.info("pushed step refused session=%s pusher=%s: %s", live.session.id, message.receipt.pusher, e)
+                    await self._send(live.writer, PushRefused(step_id=message.step_id, reason=str(e)[:1000],
+                                                              receipt=message.receipt))
+                    return
+                result = result.model_copy(update={"receipt": message.receipt})
+                if message.push:
+                    result = await self._push_on(live, result, message, output, tensors.get("attention_mask"))
                 await self._send(live.writer, result, {"hidden": output})
             except (ConnectionError, asyncio.CancelledError):
                 abort_stream(live.writer)

@@ -195,7 +195,7 @@ class Server:
             self.throughput = announced_throughput(compute, network, self.end_block - self.start_block)
         gate = self.node.gate
         self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply, self.metrics,
-                                         authorize=gate.authorize if gate is not None else None)
+                                         authorize=gate.authorize if gate is not None else None, key=self.node.key)
         if self._fault_armed:
             self.handler.arm_fault()
         await self.handler.register(self.node.p2p)
