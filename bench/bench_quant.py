@@ -1,7 +1,7 @@
 """Benchmark: a server's blocks unquantized, int8 and nf4 — resident memory per block and decode speed.
 
 In-process, on the server's own code path: the blocks are read from the checkpoint with corolla's loader,
-quantized with `corolla.server.quantization.quantize_block` (as `corolla serve --quant MODE` does) and run
+quantized with `corolla.models.quantization.quantize_block` (as `corolla serve --quant MODE` does) and run
 through `BlockStack.inference_step` with a KV cache (as the server runs a session's steps): batch 1, a
 prompt of --prompt-tokens tokens (prefill), then --new-tokens single-token decode steps fed with random hidden
 states (no embeddings or LM head: only the served blocks are measured). Median of --repeats timed runs after one
@@ -32,7 +32,7 @@ from bench_generate import build_model, log  # noqa: E402  (the same cached chec
 from corolla.checkpoint import load_config, load_tensors  # noqa: E402
 from corolla.models import get_family  # noqa: E402
 from corolla.server.backend import BlockStack, KVLayout  # noqa: E402
-from corolla.server.quantization import estimate_block_bytes, quantize_block, resident_bytes  # noqa: E402
+from corolla.models.quantization import estimate_block_bytes, quantize_block, resident_bytes  # noqa: E402
 
 
 def load_stack(path: Path, mode: str, dtype: torch.dtype) -> tuple[BlockStack, float]:

@@ -1,6 +1,6 @@
 """What a server does with blocks, on generic blocks: cache allocation (rings for sliding-window layers), padded
 batches, batched decode beside a padded session, beam reordering (sessions past the window: on rings), backward
-(server.padding, server.backend, server.backward), --quant int8/nf4 (server.quantization) and peft LoRA adapters
+(server.padding, server.backend, server.backward), --quant int8/nf4 (models.quantization) and peft LoRA adapters
 (server.adapters, against peft itself)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from corolla.models.lora import LoraLinear, using_adapter
 from corolla.server.adapters import attach_adapters
 from corolla.server.backend import BlockStack, KVLayout
 from corolla.server.padding import masked_inference_step
-from corolla.server.quantization import estimate_block_bytes, quantize_block, quantized_linear_count, resident_bytes
+from corolla.models.quantization import estimate_block_bytes, quantize_block, quantized_linear_count, resident_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LENGTHS = (5, 2, 7)  # real tokens of three rows, left-padded to 7

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from corolla.protocol.messages import ErrorCode
-from corolla.server.faults import CORRUPT_SCALE, FaultInjector, Hangup
+from corolla.server.faults import (CORRUPT_SCALE, FALSE_QUANT_SCALE, FAULT_MODES, FaultInjector, Hangup,
+                                   announced_quant)
 from corolla.server.planner import Decode, Step
 from corolla.server.validation import RequestError
 
@@ -28,7 +29,7 @@ class FakeCompute:
         self.calls.append("step")
         return torch.full((1, 1, 4), 2.0)
 
-    async def forward(self, hidden, start, end, adapter, prompts, mask):
+    async def forward(self, hidden, start, end, adapter, prompts, mask, kind=None):
         self.calls.append("forward")
         return torch.full((1, 3, 4), 3.0)
 
@@ -41,7 +42,7 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
-@pytest.mark.parametrize("mode", ["fail", "drop", "stall", "corrupt"])
+@pytest.mark.parametrize("mode", FAULT_MODES)
 def test_until_armed_every_call_passes_through_unchanged(mode):
     inner = FakeCompute()
     faults = FaultInjector(inner, mode, stall_seconds=5.0)
@@ -87,6 +88,29 @@ def test_armed_corrupt_scales_half_the_features_of_step_and_forward_outputs_and_
     grad, _ = run(faults.backward(torch.zeros(1, 3, 4), torch.zeros(1, 3, 4), 0, 1, None, None, None))
     assert torch.equal(grad, torch.full((1, 3, 4), 4.0)) and CORRUPT_SCALE == 1.01
     assert inner.calls == ["step", "forward", "backward"]
+
+
+def test_armed_hostile_modes_lie_where_they_say_and_nowhere_else():
+    scale = torch.tensor([CORRUPT_SCALE, CORRUPT_SCALE, 1.0, 1.0])
+    x = torch.zeros(1, 3, 4)
+    push = FaultInjector(FakeCompute(), "corrupt-push", stall_seconds=5.0)
+    push.arm()
+    assert torch.equal(run(push.step(None, STEP, PLAN)), torch.full((1, 1, 4), 2.0))  # the client gets the truth
+    assert torch.equal(run(push.forward(x, 0, 1, None, None, None)), torch.full((1, 3, 4), 3.0))
+    assert torch.equal(push.pushed(torch.full((1, 1, 4), 2.0)), torch.full((1, 1, 4), 2.0) * scale)  # the next server not
+    checkers = FaultInjector(FakeCompute(), "lie-to-checkers", stall_seconds=5.0)
+    checkers.arm()
+    assert torch.equal(run(checkers.step(None, STEP, PLAN)), torch.full((1, 1, 4), 2.0))
+    assert torch.equal(run(checkers.forward(x, 0, 1, None, None, None)), torch.full((1, 3, 4), 3.0) * scale)
+    nan = FaultInjector(FakeCompute(), "nan", stall_seconds=5.0)
+    nan.arm()
+    assert torch.isnan(run(nan.step(None, STEP, PLAN))).all()
+    false_quant = FaultInjector(FakeCompute(), "false-quant", stall_seconds=5.0)
+    assert announced_quant("false-quant", "none") == "nf4" and announced_quant("corrupt", "int8") == "int8"
+    assert torch.equal(run(false_quant.step(None, STEP, PLAN)), torch.full((1, 1, 4), 2.0))  # honest until armed
+    false_quant.arm()
+    biased = torch.tensor([FALSE_QUANT_SCALE, FALSE_QUANT_SCALE, 1.0, 1.0]) * 2.0
+    assert torch.allclose(run(false_quant.step(None, STEP, PLAN)), biased.expand(1, 1, 4))
 
 
 def test_unknown_fault_modes_are_refused():

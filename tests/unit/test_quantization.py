@@ -33,7 +33,7 @@ from corolla.models import get_family
 from corolla.protocol.errors import MissingBlocks
 from corolla.protocol.messages import ServerInfo, ServerState
 from corolla.server.dtype_choice import checkpoint_dtype_name, resolve_dtype
-from corolla.server.quantization import (
+from corolla.models.quantization import (
     QuantizedExperts, estimate_block_bytes, quantize_block, quantized_linear_count, quantized_weight_bytes,
     resident_bytes,
 )

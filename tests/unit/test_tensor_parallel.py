@@ -29,7 +29,7 @@ from transformers import (
 from corolla.models import get_family
 from corolla.models.llama.sharding import split_evenly
 from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.quantization import quantize_block, quantized_linear_count, resident_bytes
+from corolla.models.quantization import quantize_block, quantized_linear_count, resident_bytes
 from corolla.server.tensor_parallel import (
     build_tensor_parallel_block,
     check_tensor_parallel,

@@ -115,6 +115,15 @@ class ServerInfo(_Message):
         return self
 
 
+class ComputeKind(_Message):
+    """How a server computes its blocks: its compute dtype and its weights' quantization (ServerInfo.torch_dtype and
+    .quant). Two servers of one kind compute the same numbers up to summation order; a checker asked to compute "as"
+    another kind (ForwardRequest.emulate) quantizes its own float weights the same way (server.emulation)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"]
+    quant: QuantMode = QuantMode.NONE
+
+
 class BlockRange(_Message):
     start: int = Field(ge=0)
     end: int = Field(gt=0)  # exclusive
@@ -289,6 +298,9 @@ class ForwardRequest(_Message):
     protocol_version: int
     blocks: BlockRange
     active_adapter: str | None = Field(default=None, max_length=MAX_ADAPTER_NAME)  # LoRA adapter; None: base model
+    # spot checks: compute as a server of this kind would (a server with float32 weights can; others refuse), so a
+    # suspect is compared like with like, within the tight tolerance of its own kind
+    emulate: ComputeKind | None = None
 
 
 class ForwardResult(_Message):

@@ -19,7 +19,7 @@ from corolla.checkpoint import load_tensors
 from corolla.server.adapters import attach_adapters
 from corolla.server.backend import BlockStack, KVLayout
 from corolla.server.config import ServerConfig
-from corolla.server.quantization import estimate_block_bytes, quantize_block, resident_bytes
+from corolla.models.quantization import estimate_block_bytes, quantize_block, resident_bytes
 from corolla.server.tensor_parallel import build_tensor_parallel_block, tensor_parallel_stack
 
 logger = logging.getLogger(__name__)

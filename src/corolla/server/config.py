@@ -133,9 +133,11 @@ class ServerConfig:
     inject_fault: str | None = field(
         default=None,
         metadata=_opt(
-            "for failure tests: once this process gets SIGUSR1, every inference step fails with an error (fail), "
-            "has its stream dropped (drop) or never gets an answer (stall); or every output is subtly wrong, scaled "
-            "by 1.01 (corrupt)",
-            choices=("fail", "drop", "stall", "corrupt"),
+            "for failure and attack tests: once this process gets SIGUSR1, every inference step fails with an error "
+            "(fail), has its stream dropped (drop) or never gets an answer (stall); or every output is subtly wrong, "
+            "scaled by 1.01 (corrupt); or, as a hostile server: corrupts only what it pushes (corrupt-push), only "
+            "what checkers ask (lie-to-checkers), answers NaN (nan), announces nf4 from the start and adds a bias "
+            "(false-quant)",
+            choices=("fail", "drop", "stall", "corrupt", "corrupt-push", "lie-to-checkers", "nan", "false-quant"),
         ),
     )

@@ -33,8 +33,9 @@ from corolla.protocol import rpc_handler_name
 from corolla.protocol.compat import LEGACY_VERSIONS, discard_frame, legacy_error_frame
 from corolla.protocol.errors import ProtocolError
 from corolla.protocol.signing import PeerKey
-from corolla.protocol.framing import MAX_FRAME_BYTES, abort_stream, read_frame, version_mismatch, write_frame
+from corolla.protocol.framing import DTYPE_NAMES, MAX_FRAME_BYTES, abort_stream, read_frame, version_mismatch, write_frame
 from corolla.protocol.messages import (
+    ComputeKind,
     MAX_PROBE_BYTES,
     BackwardRequest,
     BackwardResult,
@@ -62,13 +63,14 @@ from corolla.server.backend import BlockStack
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import ComputeWorker
 from corolla.server.config import ServerConfig
+from corolla.server.emulation import Emulator
 from corolla.server.faults import FaultInjector, Hangup
 from corolla.server.metrics import ServerMetrics
 from corolla.server.planner import PlanLimits, plan
 from corolla.server.push import LiveSession, PushLinks, PushPool, outgoing_push, push_receipt_problem
 from corolla.server.scheduling import Compute, Scheduler
 from corolla.server.sessions import ServerSession, SessionTable
-from corolla.server.validation import RequestChecks, RequestError
+from corolla.server.validation import RequestChecks, RequestError, bad_request
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +106,9 @@ class ConnectionHandler:
         # nf4 blocks are slow enough per token that only decode steps are merged
         self.limits = PlanLimits(1 if config.quant == "nf4" else config.merge_max_tokens, stack.max_chunk_tokens)
         self.table = SessionTable(stack, allocator, worker, config.max_alloc_timeout)
-        scheduler = Scheduler(stack, worker, self.adapters, config.step_timeout)
+        self.emulator = Emulator(stack.blocks, stack.start, ComputeKind(dtype=DTYPE_NAMES[stack.dtype], quant=config.quant),
+                                 stack.device, enabled=not config.adapters and not config.tensor_parallel_devices)
+        scheduler = Scheduler(stack, worker, self.adapters, config.step_timeout, self.emulator)
         self.faults = None if config.inject_fault is None else FaultInjector(scheduler, config.inject_fault, config.step_timeout)
         self.compute: Compute = self.faults or scheduler
         # a stream that has not said what it wants is an idle session: it gets no longer than one
@@ -172,7 +176,13 @@ class ConnectionHandler:
         self.checks.stateless(request)
         hidden, mask, prompts = self.checks.forward(request, tensors)
         blocks = request.blocks
-        output = await self.compute.forward(hidden, blocks.start, blocks.end, request.active_adapter, prompts, mask)
+        if request.emulate is not None:
+            bad_request(self.emulator.problem(request.emulate) or (
+                "a forward computed as another kind of server takes no adapter, mask or deep prompts"
+                if request.emulate != self.emulator.own and (request.active_adapter or mask is not None or prompts is not None)
+                else None))
+        output = await self.compute.forward(hidden, blocks.start, blocks.end, request.active_adapter, prompts, mask,
+                                            request.emulate)
         await self._send(writer, ForwardResult(), {"hidden": output.to(hidden.dtype)})
 
     async def rpc_backward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
@@ -249,8 +259,9 @@ class ConnectionHandler:
         target = live.target
         if target is None or self.pushes is None:
             return result
+        pushed = output if self.faults is None else self.faults.pushed(output)  # corrupt-push: a test's liar
         push, tensors = outgoing_push(self.key, target, message.step_id, message.position, message.hypo_ids,
-                                      True, output, mask)
+                                      True, pushed, mask)
         try:
             await self.pushes.send(target.peer_id, push, tensors)
         except Exception as e:  # the next server is gone: the client replaces it and relays this step

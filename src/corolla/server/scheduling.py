@@ -18,9 +18,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from corolla.protocol.messages import ErrorCode
+from corolla.protocol.messages import ComputeKind, ErrorCode
 from corolla.server.adapters import AdapterCalls
 from corolla.server.backend import BlockStack, DecodeItem
+from corolla.server.emulation import Emulator
 from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, PRIORITY_LONG_INFERENCE, ComputeWorker
 from corolla.server.kv_cache import SessionKV
 from corolla.server.padding import padded_step
@@ -37,8 +38,9 @@ class Compute(Protocol):
         ...
 
     async def forward(self, hidden: Tensor, start: int, end: int, adapter: str | None, prompts: Tensor | None,
-                      mask: Tensor | None) -> Tensor:
-        """A cache-less forward of hidden (B, T, H) through blocks [start, end)."""
+                      mask: Tensor | None, kind: ComputeKind | None = None) -> Tensor:
+        """A cache-less forward of hidden (B, T, H) through blocks [start, end); with `kind`, computed as a server of
+        that kind would (server.emulation; the caller checked that it can)."""
         ...
 
     async def backward(self, hidden: Tensor, grad_output: Tensor, start: int, end: int, adapter: str | None,
@@ -50,11 +52,13 @@ class Compute(Protocol):
 class Scheduler:
     """Runs requests on one compute worker; a step taking more than `step_timeout` seconds raises TIMEOUT."""
 
-    def __init__(self, stack: BlockStack, worker: ComputeWorker, adapters: AdapterCalls, step_timeout: float):
+    def __init__(self, stack: BlockStack, worker: ComputeWorker, adapters: AdapterCalls, step_timeout: float,
+                 emulator: Emulator):
         self.stack = stack
         self.worker = worker
         self.adapters = adapters
         self.step_timeout = step_timeout
+        self.emulator = emulator  # forwards computed as another kind of server (spot checks, server.emulation)
 
     async def step(self, session: ServerSession, step: Step, plan: Plan) -> Tensor:
         if step.hypo_ids is not None:  # beam search: rows follow their hypotheses before the step
@@ -94,7 +98,9 @@ class Scheduler:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     async def forward(self, hidden: Tensor, start: int, end: int, adapter: str | None, prompts: Tensor | None,
-                      mask: Tensor | None) -> Tensor:
+                      mask: Tensor | None, kind: ComputeKind | None = None) -> Tensor:
+        if kind is not None and kind != self.emulator.own:
+            return await self.worker.run(PRIORITY_FORWARD, self.emulator.forward, hidden, start, end, kind)
         forward = self.adapters.bind(self.stack.forward, adapter)
         return await self.worker.run(PRIORITY_FORWARD, forward, hidden, start, end, prompts, mask)
 

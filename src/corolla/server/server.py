@@ -31,11 +31,12 @@ from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
 from corolla.server.dtype_choice import checkpoint_dtype_name, resolve_dtype
+from corolla.server.faults import announced_quant
 from corolla.server.handler import ConnectionHandler
 from corolla.server.metrics import ServerMetrics
 from corolla.server.next_hops import NextHops
 from corolla.server.network import announced_throughput, measure_bandwidth, network_tokens_per_second
-from corolla.server.quantization import check_quant_mode
+from corolla.models.quantization import check_quant_mode
 from corolla.server.tensor_parallel import check_tensor_parallel, measure_throughput
 from corolla.server.throughput import cached_throughput, load_cached, measure_block_throughput, store_cached
 
@@ -100,7 +101,7 @@ class Server:
             cache_tokens_total=budget.total if budget else 0,
             cache_tokens_free=budget.free if budget else 0,
             torch_dtype=self.dtype_name,
-            quant=self.config.quant,
+            quant=announced_quant(self.config.inject_fault, self.config.quant),
             bytes_per_block=self.bytes_per_block,
             version=corolla.__version__,
             protocol_version=PROTOCOL_VERSION,

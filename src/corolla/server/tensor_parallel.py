@@ -55,7 +55,7 @@ from corolla.models.ragged import RaggedKV
 from corolla.models.registry import ModelFamily
 from corolla.server.backend import BlockStack, KVLayout
 from corolla.server.kv_cache import ShardedKV
-from corolla.server.quantization import check_quant_mode, quantize_block
+from corolla.models.quantization import check_quant_mode, quantize_block
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Weight quantization of served blocks (``corolla serve --quant none|int8|nf4``) and their resident memory.
+"""Weight quantization of served blocks (``corolla serve --quant none|int8|nf4``) and their resident memory; spot
+checks use it too, to compute a span as a server of a claimed quantization does (`block_as_kind`).
 
 After a block's weights are loaded in the server dtype, ``quantize_block`` swaps its big matmuls for
 bitsandbytes modules that keep the weights compressed and compute in the server dtype:
@@ -23,8 +24,10 @@ quantization error.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -150,6 +153,15 @@ def quantize_block(block: nn.Module, mode: str, device: torch.device | str, comp
         _move_unquantized(block, device)
     logger.debug("quantized mode=%s modules=%d device=%s", mode, replaced, device)
     return block
+
+
+def block_as_kind(block: nn.Module, dtype: torch.dtype, mode: str, device: torch.device | str = "cpu") -> nn.Module:
+    """A copy of a float32 `block` as a server of compute dtype `dtype` and quantization `mode` holds it: cast, then
+    quantized on its way to `device`, exactly as `corolla serve` loads it (server.block_loading). `block` is left
+    as it was. Quantizing is deterministic, so the copy computes what such a server computes (up to kernels)."""
+    import copy
+
+    return quantize_block(copy.deepcopy(block).to(dtype), mode, device, dtype).eval().requires_grad_(False)
 
 
 def _move_unquantized(block: nn.Module, device: torch.device) -> None:
