@@ -10,17 +10,17 @@ import torch
 from corolla.client.config import ClientConfig
 from corolla.client.reputation import Reputation, load
 from corolla.client.verification import (
-    TOL_HALF, TOL_INT8, TOL_NF4, TOL_SAME_EXACT, TOL_SAME_LOW, checker_rank, decide, pair_tolerance, relative_error,
-    rewind_position, sequence_rewind,
+    TOL_HALF, TOL_INT8, TOL_NF4, TOL_SAME_EXACT, TOL_SAME_LOW, kind_of, opinion_tolerance, pair_tolerance, plan_checkers,
+    referee_verdict, relative_error, rewind_position, sequence_rewind, settle,
 )
-from corolla.protocol.messages import ServerInfo, ServerState
-from corolla.server.faults import corrupted
+from corolla.protocol.messages import ComputeKind, QuantMode, ServerInfo, ServerState
+from corolla.server.faults import FALSE_QUANT_SCALE, corrupted
 
 
-def info(dtype: str = "float32", quant: str = "none") -> ServerInfo:
+def info(dtype: str = "float32", quant: str = "none", adapters: tuple[str, ...] = ()) -> ServerInfo:
     return ServerInfo(state=ServerState.ONLINE, start_block=0, end_block=4, throughput=1.0, cache_tokens_total=1000,
                       cache_tokens_free=1000, torch_dtype=dtype, quant=quant, version="0", protocol_version=1,
-                      max_session_length=4096)
+                      max_session_length=4096, adapters=adapters)
 
 
 def test_relative_error_is_the_worst_position_relative_l2():
@@ -47,26 +47,55 @@ def test_pair_tolerance_is_tight_for_one_kind_and_the_looser_server_otherwise():
     assert pair_tolerance(info("bfloat16"), info(quant="int8")) == TOL_INT8
     assert pair_tolerance(info(quant="nf4"), info()) == TOL_NF4
     assert pair_tolerance(None, info()) == TOL_NF4  # an unknown server: the loosest
+    assert pair_tolerance(info("float16"), info("bfloat16")) == TOL_HALF  # different kinds
 
 
-def test_checker_is_chosen_among_the_servers_of_the_suspects_kind():
-    candidates = [("bf", info("bfloat16")), ("f1", info()), ("q", info(quant="int8")), ("f2", info())]
-    assert [peer for peer, _ in checker_rank(info(), candidates)] == ["f1", "f2"]
-    assert [peer for peer, _ in checker_rank(info(quant="nf4"), candidates)] == ["bf", "f1", "q", "f2"]
-    assert checker_rank(info(), []) == []
+def test_the_checker_computes_as_the_suspects_kind_a_server_of_it_first_then_a_float32_one_emulating_it():
+    candidates = [("bf", info("bfloat16")), ("f1", info()), ("q", info(quant="int8")), ("f2", info()),
+                  ("fa", info(adapters=("lora",)))]
+    nf4 = ComputeKind(dtype="float32", quant=QuantMode.NF4)
+    # a float32 suspect: the float32 servers, as themselves
+    assert [[(p.peer_id, p.emulate) for p in tier] for tier in plan_checkers(info(), candidates)] == [
+        [("f1", None), ("f2", None), ("fa", None)]]
+    # an nf4 suspect: nobody is nf4, so float32 servers without adapters compute as nf4; its tolerance stays tight
+    tiers = plan_checkers(info(quant="nf4"), candidates)
+    assert [[(p.peer_id, p.emulate, p.kind) for p in tier] for tier in tiers] == [[("f1", nf4, nf4), ("f2", nf4, nf4)]]
+    assert opinion_tolerance(kind_of(info(quant="nf4")), tiers[0][0].kind) == TOL_SAME_LOW
+    # an int8 suspect with a server of its kind: that one first
+    assert [p.peer_id for p in plan_checkers(info(quant="int8"), candidates)[0]] == ["q"]
+    # emulation not possible for this request (deep prompts, an adapter): every server as itself, loosely
+    loose = plan_checkers(info(quant="nf4"), candidates, emulation=False)
+    assert [p.peer_id for p in loose[0]] == ["bf", "f1", "q", "f2", "fa"] and all(p.emulate is None for p in loose[0])
+    assert plan_checkers(info(), []) == []
+
+
+def test_a_false_quantization_claim_does_not_widen_the_tolerance():
+    torch.manual_seed(0)
+    honest = torch.randn(2, 8, 64)
+    biased = corrupted(honest, FALSE_QUANT_SCALE)
+    # the old rule: a float32 checker against a suspect announcing nf4 allowed nf4's error; the bias hid in it
+    assert relative_error(biased, honest) < pair_tolerance(info(quant="nf4"), info())
+    # like with like: the checker computes as nf4, and the tolerance is nf4's own
+    nf4 = kind_of(info(quant="nf4"))
+    assert relative_error(biased, honest) > opinion_tolerance(nf4, nf4)
 
 
 @pytest.mark.parametrize("errors, verdict", [
-    ((1e-4, None, None), "agree"),
-    ((1e-2, None, None), "ban_suspect"),  # no third opinion: the server the session used goes
-    ((1e-2, 1e-2, 1e-5), "ban_suspect"),  # the third agrees with the checker
-    ((1e-2, 1e-5, 1e-2), "ban_checker"),  # the third agrees with the suspect
-    ((1e-2, 1e-2, 1e-2), "ban_both"),
-    ((1e-2, 1e-4, 1e-4), "ban_suspect"),  # both within tolerance of the third: keep nothing doubtful in use
+    ((1e-2, 1e-5), "ban_suspect"),  # the third agrees with the checker only
+    ((1e-5, 1e-2), "ban_checker"),  # the third agrees with the suspect only
+    ((1e-2, 1e-2), "dispute"),  # with neither: it settles nothing
+    ((1e-4, 1e-4), "dispute"),  # with both (they sit near the tolerance): nothing either
 ])
-def test_tie_break_decisions(errors, verdict):
-    suspect_checker, suspect_third, checker_third = errors
-    assert decide(suspect_checker, 1e-3, suspect_third, 1e-3, checker_third, 1e-3) == verdict
+def test_a_third_opinion_convicts_only_when_it_agrees_with_exactly_one(errors, verdict):
+    suspect_third, checker_third = errors
+    assert settle(suspect_third, 1e-3, checker_third, 1e-3) == verdict
+
+
+@pytest.mark.parametrize("errors, verdict", [
+    ((1e-5, 1e-5), "agree"), ((1e-5, 1e-2), "ban_checker"), ((1e-2, 1e-5), "ban_suspect"), ((1e-2, 1e-2), "ban_both"),
+])
+def test_the_clients_own_computation_convicts_whoever_disagrees_with_it(errors, verdict):
+    assert referee_verdict(errors[0], 1e-3, errors[1], 1e-3) == verdict
 
 
 def test_rewind_goes_to_the_first_output_of_the_liar_and_keeps_the_token_predicted_before_it():
@@ -97,6 +126,6 @@ def test_reputation_counts_merge_into_one_file_across_clients(tmp_path):
 
 
 def test_verify_rate_is_off_by_default_and_checked():
-    assert ClientConfig().verify_rate == 0.0
+    assert ClientConfig().verify_rate == 0.0 and ClientConfig().verify_referee
     with pytest.raises(ValueError):
         ClientConfig(verify_rate=1.5)

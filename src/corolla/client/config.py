@@ -38,6 +38,9 @@ class ClientConfig:
     verify_rate: float = 0.0
     verify_seed: int | None = None  # seed of the spot checks' random draws (None: unseeded); tests and benchmarks
     verify_wait: float = 30.0  # seconds `generate` waits for the checks still running before it returns
+    # when two servers disagree and no other server settles it, the client reads the disputed span's blocks from the
+    # checkpoint and computes them itself (client.referee); off: such a dispute leaves the output unverified
+    verify_referee: bool = True
 
     max_chunk_bytes: int = 4 << 20  # training: largest hidden-state tensor per forward/backward message, bytes
 

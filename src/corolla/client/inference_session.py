@@ -81,6 +81,18 @@ class InferenceSession:
 
     # ------------------------------------------------------------------ what the session holds
     @property
+    def unverified(self) -> bool:
+        """True when spot checks found two servers disagreeing on this session's outputs and nothing settled which
+        is right (no other holder, and the client could not compute the span itself): the output may be wrong.
+        `disputes` says which servers and blocks. Always False without spot checks."""
+        return self.checks is not None and bool(self.checks.disputes)
+
+    @property
+    def disputes(self) -> list:
+        """The unsettled disagreements of this session's spot checks (client.spot_checks.Dispute), oldest first."""
+        return [] if self.checks is None else list(self.checks.disputes)
+
+    @property
     def route(self) -> list[Span]:
         """The spans this session's steps go through now, in order (a failover may change them); empty before the
         first step opens them and after `close`."""

@@ -21,8 +21,10 @@ from corolla.client.event_loop import run_sync
 from corolla.client.generation import generate as _generate
 from corolla.client.inference_session import InferenceSession
 from corolla.client.ptune import PromptTuning, make_prompt_tuning
+from corolla.client.referee import Referee
 from corolla.client.remote_sequential import RemoteSequential
 from corolla.client.sequence_manager import SequenceManager
+from corolla.client.spot_checks import client_checks
 from corolla.dht import SwarmNode, create_swarm_node, model_dht_prefix
 from corolla.membership import load_swarm_key
 from corolla.models import get_family
@@ -269,6 +271,8 @@ class AutoDistributedModelForCausalLM:
         _register_atexit()
         prefix = config.dht_prefix or model_dht_prefix(model_name_or_path)
         manager = SequenceManager(node, prefix, family.num_blocks(hf_config), config)
+        if config.verify_rate > 0 and config.verify_referee:  # spot checks' disputes are settled by the client itself
+            client_checks(manager).referee = Referee(model_name_or_path, family, hf_config, cache_dir, revision, token)
         ptune = make_prompt_tuning(tuning_mode, pre_seq_len, head, hf_config.hidden_size, manager.num_blocks, model_dtype)
         model = DistributedModelForCausalLM(hf_config, head, RemoteSequential(manager), node, generation_config, model_name_or_path, ptune)
         logger.info("connected to the swarm for %s (dht prefix %s, %d blocks)", model_name_or_path, prefix, manager.num_blocks)

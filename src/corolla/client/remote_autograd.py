@@ -35,6 +35,7 @@ from corolla.protocol.messages import (
     BackwardRequest,
     BackwardResult,
     BlockRange,
+    ComputeKind,
     ForwardRequest,
     ForwardResult,
 )
@@ -160,12 +161,14 @@ class RemoteBlocks:
             return g
 
     # ------------------------------------------------------------------ one request
-    async def forward_span(self, span: Span, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None) -> Tensor:
-        """rpc_forward of hidden (b, T, H) over one span; prompts (span blocks, P, H) or None; mask (b, T) or None."""
+    async def forward_span(self, span: Span, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None,
+                           emulate: ComputeKind | None = None) -> Tensor:
+        """rpc_forward of hidden (b, T, H) over one span; prompts (span blocks, P, H) or None; mask (b, T) or None;
+        `emulate`: computed as a server of that kind would (spot checks; server.emulation)."""
         tensors = _with_extras({"hidden": hidden}, mask, prompts)
         request = ForwardRequest(
             protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
-            active_adapter=self.manager.config.active_adapter,
+            active_adapter=self.manager.config.active_adapter, emulate=emulate,
         )
         reply, out = await self._call(span.peer_id, "forward", request, tensors)
         if not isinstance(reply, ForwardResult) or out["hidden"].shape != hidden.shape:

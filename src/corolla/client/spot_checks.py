@@ -1,14 +1,16 @@
 """Spot checks of a session's servers, off the critical path (ClientConfig.verify_rate).
 
 After a span answers a step, with probability verify_rate (and always while its server was never checked by this
-client: every step until one check of it completes, one such check at a time), a background task on the client's event loop sends the span's kept inputs from
-position 0 through the step (the history InferenceSession keeps for failover) to a *different* server holding all
-of the span's blocks, by the cache-less rpc_forward, and compares its outputs at the step's positions with what the
-session received (client.verification has the measure, the tolerances and the decisions):
+client: every step until one check of it completes, one such check at a time), a background task on the client's
+event loop sends the span's kept inputs from position 0 through the step (the history InferenceSession keeps for
+failover) to a *different* server holding all of the span's blocks, by the cache-less rpc_forward, computed as the
+suspect's own kind where possible, and compares its outputs at the step's positions with what the session received
+(client.verification has the measure, the tolerances and the decisions):
 
     session step:  x ──► suspect [a:b) ──► y ──► ...           (returns at once)
     background:    history[:, :p+T] ──► checker [a:b) ──► y' ;  relative_error(y, y'[:, p:]) <= tolerance ?
-                   on a mismatch, a third server (if any) breaks the tie
+                   on a mismatch nobody is convicted yet: other holders, then the client itself (client.referee),
+                   give further opinions until one settles it
 
 A server found wrong is *distrusted*: SequenceManager never routes through it again in this client's lifetime (even
 as a block's only server: MissingBlocks beats silently wrong text). The session then has a `rewind` pending: the
@@ -16,6 +18,11 @@ first position whose output from that server reached the chain. `generate` (clie
 each step and, before returning, waits for the checks still running; it then replaces the liar's spans
 (`InferenceSession.replace_distrusted`, which replays the kept inputs into a replacement, as failover does), rolls
 the session back to that position and generates again from there, so the caller's greedy output is HF's.
+
+A checker that fails to answer (unreachable, timed out, an internal error) counts against the checker: it is banned
+for a while, recorded as failed (not distrusted: it proved nothing wrong), and the next candidate is asked. A dispute
+nothing settles (two holders only, and the client cannot compute the span: ClientConfig.verify_referee off, deep
+prompts or an adapter) convicts nobody; the session reports it (`InferenceSession.unverified`, a warning).
 
 Not checked: steps with a padded attention mask or a pending beam reorder (the forward would need the session's
 mask history), and spans that no other server holds whole.
@@ -29,17 +36,20 @@ import random
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from corolla.client.remote_autograd import RemoteBlocks
 from corolla.client.reputation import Reputation
+from corolla.client.referee import Referee
 from corolla.client.routing import Span
-from corolla.client.verification import (Rewind, checker_rank, decide, pair_tolerance, relative_error, rewind_position,
-                                         sequence_rewind)
+from corolla.client.verification import (EXACT, CheckPlan, Rewind, Verdict, kind_of, kind_tolerance, opinion_tolerance,
+                                         plan_checkers, referee_verdict, relative_error, rewind_position, sequence_rewind,
+                                         settle)
 from corolla.protocol.errors import PeerUnavailable, RemoteError
-from corolla.protocol.messages import ServerInfo, ServerState
+from corolla.protocol.messages import ErrorCode, ServerInfo, ServerState
 
 if TYPE_CHECKING:
     from corolla.client.sequence_manager import SequenceManager
@@ -47,6 +57,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SAVE_PERIOD = 10.0  # seconds between writes of the reputation file while checks pass
+
+
+MAX_CHECKER_TRIES = 3  # candidates asked for one opinion before giving up on it
+
+
+@dataclass(frozen=True)
+class Dispute:
+    """Two servers disagreed on a span's outputs and nothing settled who is right."""
+
+    start: int
+    end: int
+    suspect: str
+    checker: str
+    error: float
+    tolerance: float
 
 
 class ClientChecks:
@@ -60,6 +85,7 @@ class ClientChecks:
         self.pick_rng = random.Random(None if manager.config.verify_seed is None else manager.config.verify_seed + 1)
         self.reputation = Reputation(persist=manager.config.verify_rate > 0)
         self.checks_started = 0  # checks sent to a checker
+        self.referee: Referee | None = None  # the client computing disputed spans itself (client.referee), if it can
         self.unchecked = 0  # checks drawn but skipped: no other server holds the span whole
         self._saved_at = 0.0
 
@@ -111,6 +137,7 @@ class SessionChecks:
         self.first_checks: set[str] = set()  # never-checked peers with a check in flight
         self.replaced: set[str] = set()  # liars this session already routed around and rewound for
         self.rewinds: list[int] = []  # the positions this session was rewound to, in order
+        self.disputes: list[Dispute] = []  # disagreements nothing settled: the session's output is unverified
 
     # ------------------------------------------------------------------ on the event loop, after each span's step
     def after_step(self, span_session, position: int, output: Tensor, prompts: Tensor | None) -> None:
@@ -158,56 +185,112 @@ class SessionChecks:
     async def _check(self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int) -> None:
         client = self.client
         suspect = span.peer_id
-        holders = client.holders(span, {suspect})
-        if not holders:
+        suspect_info = client.info(suspect, span.start)
+        suspect_kind = kind_of(suspect_info)
+        t = output.shape[1]
+        # a forward computed as another kind takes no adapter or deep prompts (server.emulation)
+        plain = prompts is None and client.manager.config.active_adapter is None
+        tiers = plan_checkers(suspect_info, client.holders(span, {suspect}), emulation=plain)
+        if not tiers:
             client.unchecked += 1
             return
         client.checks_started += 1
-        suspect_info = client.info(suspect, span.start)
-        holders = checker_rank(suspect_info, holders)
-        checker, checker_info = holders[client.pick_rng.randrange(len(holders))]
-        t = output.shape[1]
         blocks = RemoteBlocks(client.manager, span.start, span.end)
-        try:
-            reference = (await blocks.forward_span(Span(checker, span.start, span.end), inputs, prompts))[:, -t:]
-        except (PeerUnavailable, RemoteError, asyncio.TimeoutError) as e:
-            logger.debug("spot check of %s: checker %s failed (%s); skipped", suspect, checker, e)
-            return
+        first = await self._opinion(tiers, blocks, span, inputs, prompts, t)
+        if first is None:
+            return  # every candidate failed to answer (each counted against itself)
+        checker, reference = first
         err = relative_error(output, reference)
-        tol = pair_tolerance(suspect_info, checker_info)
+        tol = opinion_tolerance(suspect_kind, checker.kind)
         if err <= tol:
             client.reputation.passed(suspect)
-            client.reputation.passed(checker)
+            client.reputation.passed(checker.peer_id)
             client.save()
-            logger.debug("spot check %s vs %s on %d:%d: %.2e <= %.2e", suspect[-6:], checker[-6:], span.start, span.end, err, tol)
+            logger.debug("spot check %s vs %s on %d:%d: %.2e <= %.2e", suspect[-6:], checker.peer_id[-6:], span.start,
+                         span.end, err, tol)
             return
-        logger.warning("spot check mismatch on blocks %d:%d: peer=%s vs checker=%s relative error %.3e > %.1e",
-                       span.start, span.end, suspect, checker, err, tol)
-        thirds = checker_rank(suspect_info, client.holders(span, {suspect, checker}))
-        verdict = decide(err, tol)
-        if thirds:
-            third, third_info = thirds[client.pick_rng.randrange(len(thirds))]
+        logger.warning("spot check mismatch on blocks %d:%d: peer=%s vs checker=%s relative error %.3e > %.1e; "
+                       "asking for another opinion", span.start, span.end, suspect, checker.peer_id, err, tol)
+        verdict: Verdict = "dispute"
+        thirds = plan_checkers(suspect_info, client.holders(span, {suspect, checker.peer_id}), emulation=plain)
+        while verdict == "dispute" and thirds:
+            opinion = await self._opinion(thirds, blocks, span, inputs, prompts, t)
+            if opinion is None:
+                break
+            third, tie = opinion
+            thirds = [[p for p in tier if p.peer_id != third.peer_id] for tier in thirds]
+            thirds = [tier for tier in thirds if tier]
+            verdict = settle(relative_error(output, tie), opinion_tolerance(suspect_kind, third.kind),
+                             relative_error(reference, tie), opinion_tolerance(checker.kind, third.kind))
+            logger.warning("third opinion from peer=%s: %s", third.peer_id, verdict)
+            if verdict in ("ban_checker", "ban_suspect"):
+                client.reputation.passed(third.peer_id)  # it agreed with the one kept
+        referee = client.referee
+        if verdict == "dispute" and referee is not None and plain:
+            kind = suspect_kind or EXACT
             try:
-                tie = (await blocks.forward_span(Span(third, span.start, span.end), inputs, prompts))[:, -t:]
-                verdict = decide(err, tol, relative_error(output, tie), pair_tolerance(suspect_info, third_info),
-                                 relative_error(reference, tie), pair_tolerance(checker_info, third_info))
-                logger.warning("tie-breaker peer=%s: verdict %s", third, verdict)
-                if verdict in ("ban_checker", "ban_suspect"):
-                    client.reputation.passed(third)  # it agreed with the one kept
-            except (PeerUnavailable, RemoteError, asyncio.TimeoutError) as e:
-                logger.debug("tie-breaker %s failed (%s)", third, e)
+                truth = (await referee.forward(inputs, span.start, span.end, kind))[:, -t:]
+            except Exception as e:  # the checkpoint could not be read: the dispute stands
+                logger.warning("the client could not compute blocks %d:%d itself (%s): dispute unsettled",
+                               span.start, span.end, e)
+            else:
+                verdict = referee_verdict(relative_error(output, truth), kind_tolerance(kind),
+                                          relative_error(reference, truth), opinion_tolerance(checker.kind, kind))
+                logger.warning("the client computed blocks %d:%d itself: %s", span.start, span.end, verdict)
+        if verdict == "dispute":
+            self.disputes.append(Dispute(span.start, span.end, suspect, checker.peer_id, err, tol))
+            logger.warning("UNVERIFIED: servers %s and %s disagree on blocks %d:%d (%.2e > %.1e) and nothing settled "
+                           "it; the session's output is unverified", suspect, checker.peer_id, span.start, span.end,
+                           err, tol)
+            client.save(now=True)
+            return
         if verdict in ("ban_suspect", "ban_both"):
             client.reputation.failed(suspect, distrust=True)
-            client.distrust(suspect, f"its outputs of blocks {span.start}:{span.end} differ from {checker}'s by {err:.2e}")
+            client.distrust(suspect, f"its outputs of blocks {span.start}:{span.end} are wrong (checked by "
+                                     f"{checker.peer_id}, settled by another opinion)")
             position = rewind_position(first_output)
             if suspect not in self.replaced and (self.rewind is None or position < self.rewind.position):
                 self.rewind = Rewind(position, suspect)
-        else:
+        elif verdict in ("agree", "ban_checker"):
             client.reputation.passed(suspect)
         if verdict in ("ban_checker", "ban_both"):
-            client.reputation.failed(checker, distrust=True)
-            client.distrust(checker, f"its outputs of blocks {span.start}:{span.end} disagree with two other servers")
+            client.reputation.failed(checker.peer_id, distrust=True)
+            client.distrust(checker.peer_id, f"its outputs of blocks {span.start}:{span.end} are wrong (settled by "
+                                             "another opinion)")
         client.save(now=True)
+
+    async def _opinion(self, tiers: list[list[CheckPlan]], blocks: RemoteBlocks, span: Span, inputs: Tensor,
+                       prompts: Tensor | None, t: int) -> tuple[CheckPlan, Tensor] | None:
+        """An opinion on the span's last `t` outputs from a candidate of the best tier (drawn at random); a candidate
+        that fails to answer counts against itself and the next one is asked (up to MAX_CHECKER_TRIES)."""
+        client = self.client
+        candidates = [list(tier) for tier in tiers]
+        for _ in range(MAX_CHECKER_TRIES):
+            candidates = [tier for tier in candidates if tier]
+            if not candidates:
+                return None
+            tier = candidates[0]
+            plan = tier.pop(client.pick_rng.randrange(len(tier)))
+            try:
+                out = await blocks.forward_span(Span(plan.peer_id, span.start, span.end), inputs, prompts,
+                                                emulate=plan.emulate)
+            except RemoteError as e:
+                if e.code == ErrorCode.BAD_REQUEST:  # it cannot compute this (e.g. as another kind): no fault of it
+                    logger.debug("checker %s cannot check %s: %s", plan.peer_id, span.peer_id, e)
+                    continue
+                self._checker_failed(plan.peer_id, e)
+                continue
+            except (PeerUnavailable, asyncio.TimeoutError) as e:
+                self._checker_failed(plan.peer_id, e)
+                continue
+            return plan, out[:, -t:]
+        return None
+
+    def _checker_failed(self, peer_id: str, error: Exception) -> None:
+        """A checker that did not answer counts against itself: banned a while and recorded as failed."""
+        logger.info("checker %s failed (%s): counted against it", peer_id, error)
+        self.client.reputation.failed(peer_id, distrust=False)
+        self.client.manager.ban(peer_id)
 
 
 def generation_rewinder(session, prompt_len: int, seen: list[int]) -> Callable[[Tensor, bool], int | None]:
