@@ -1,0 +1,147 @@
+"""rpc_push in process (the handler over in-memory streams, as test_handler.py drives it): a push frame from a peer
+no session names is refused before it is read, a refused push ends its stream, and a pushed step the session cannot
+take goes to the owner as PushRefused with the pusher's receipt, leaving the session as it was."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import torch
+
+from corolla.protocol import PROTOCOL_VERSION
+from corolla.protocol.framing import decode_frame
+from corolla.protocol.messages import (BlockRange, CloseSession, ErrorReply, InferenceStep, OpenSession, PushRefused,
+                                       PushSource, PushTarget, SessionOpened, StepResult)
+from corolla.protocol.signing import PeerKey
+from corolla.server.cache_allocator import CacheAllocator
+from corolla.server.compute import ComputeWorker
+from corolla.server.config import ServerConfig
+from corolla.server.handler import UNAUTHORIZED_PUSH_FRAME, ConnectionHandler, _stream_adapter
+from corolla.server.push import outgoing_push
+from test_handler import HIDDEN, MemoryWriter, framed, stack  # noqa: F401 (fixture)
+
+OWNER, PUSHER = PeerKey.generate(), PeerKey.generate()
+SECRET = "5" * 32
+
+
+def peer(key: PeerKey) -> SimpleNamespace:
+    return SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: key.peer_id))
+
+
+def serve(stack, scenario):
+    worker = ComputeWorker()
+    allocator = CacheAllocator(1024)
+    handler = ConnectionHandler(stack, allocator, worker, ServerConfig(model="unused", session_timeout=5.0),
+                                describe=lambda: None)
+
+    async def run():
+        tasks = []
+
+        def talk(verb: str, key: PeerKey):
+            reader, writer = asyncio.StreamReader(), MemoryWriter()
+            handler_fn = _stream_adapter(handler._handlers()[verb], verb, handler.metrics)
+            tasks.append(asyncio.ensure_future(handler_fn(peer(key), reader, writer)))
+
+            async def receive():
+                return decode_frame(await writer.next_payload())
+
+            return reader, writer, receive
+
+        try:
+            return await scenario(handler, talk)
+        finally:
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+
+    try:
+        result = asyncio.run(run())
+    finally:
+        worker.shutdown()
+    assert allocator.budget.free == allocator.budget.total
+    return result
+
+
+async def open_pushed_session(talk):
+    """The owner's session, accepting pushes from PUSHER over SECRET; returns its stream."""
+    reader, writer, receive = talk("inference", OWNER)
+    reader.feed_data(framed(OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=0, end=3),
+                                        max_length=16, push_from=PushSource(peer_id=PUSHER.peer_id, secret=SECRET))))
+    reply, _ = await receive()
+    assert isinstance(reply, SessionOpened)
+    return reader, receive
+
+
+def push_frame(handler, key: PeerKey, hidden: torch.Tensor, position: int, step_id: int = 1, secret: str = SECRET) -> bytes:
+    message, tensors = outgoing_push(key, PushTarget(peer_id=handler.key.peer_id, secret=secret), step_id, position,
+                                     None, False, hidden, None)
+    return framed(message, tensors)
+
+
+def test_a_push_frame_from_a_peer_no_session_names_is_refused_before_it_is_read(stack):
+    async def scenario(handler, talk):
+        reader, writer, receive = talk("push", PUSHER)
+        reader.feed_data((128 << 20).to_bytes(8, "big") + b"\0" * 1024)  # announces 128 MiB, sends 1 KiB
+        reply, _ = await receive()
+        reader.feed_eof()
+        return reply
+
+    reply = serve(stack, scenario)
+    assert isinstance(reply, ErrorReply) and reply.code == "bad_request"
+    assert f"exceeds the limit of {UNAUTHORIZED_PUSH_FRAME} bytes" in reply.message
+
+
+def test_a_refused_push_ends_its_stream(stack):
+    async def scenario(handler, talk):
+        owner_reader, _ = await open_pushed_session(talk)
+        reader, writer, receive = talk("push", PUSHER)
+        frame = push_frame(handler, PUSHER, torch.zeros(1, 1, HIDDEN), 0, secret="6" * 32)  # another link's secret
+        reader.feed_data(frame + frame)
+        reply, _ = await receive()
+        await asyncio.sleep(0.2)
+        follow_up = len(writer.buffer)
+        owner_reader.feed_data(framed(CloseSession()))
+        reader.feed_eof()
+        return reply, follow_up
+
+    reply, follow_up = serve(stack, scenario)
+    assert isinstance(reply, ErrorReply) and "no open session here accepts pushes" in reply.message
+    assert follow_up == 0  # the second frame was never answered: the stream ended with the first refusal
+
+
+def test_a_pushed_step_the_session_cannot_take_is_refused_to_its_owner_with_the_receipt(stack):
+    async def scenario(handler, talk):
+        owner_reader, owner_receive = await open_pushed_session(talk)
+        reader, writer, _ = talk("push", PUSHER)
+        reader.feed_data(push_frame(handler, PUSHER, torch.full((1, 2, HIDDEN), float("nan")), 0, step_id=7))
+        refused, _ = await owner_receive()
+        reader.feed_data(push_frame(handler, PUSHER, torch.randn(1, 2, HIDDEN), 0, step_id=8))
+        result, tensors = await owner_receive()
+        owner_reader.feed_data(framed(InferenceStep(step_id=9, position=2), {"hidden": torch.randn(1, 1, HIDDEN)}))
+        after, _ = await owner_receive()
+        owner_reader.feed_data(framed(CloseSession()))
+        reader.feed_eof()
+        return refused, result, tensors, after
+
+    refused, result, tensors, after = serve(stack, scenario)
+    assert isinstance(refused, PushRefused) and refused.step_id == 7 and "NaN" in refused.reason
+    assert refused.receipt.pusher == PUSHER.peer_id
+    # the session went on: the good push ran at position 0, and the owner's own next step after it
+    assert isinstance(result, StepResult) and (result.step_id, result.position) == (8, 2)
+    assert result.receipt is not None and result.receipt.step_id == 8 and torch.isfinite(tensors["hidden"]).all()
+    assert isinstance(after, StepResult) and after.position == 3
+
+
+def test_a_push_with_a_receipt_not_matching_what_arrived_is_refused(stack):
+    async def scenario(handler, talk):
+        owner_reader, _ = await open_pushed_session(talk)
+        reader, writer, receive = talk("push", PUSHER)
+        message, tensors = outgoing_push(PUSHER, PushTarget(peer_id=handler.key.peer_id, secret=SECRET), 1, 0, None,
+                                         False, torch.zeros(1, 1, HIDDEN), None)
+        reader.feed_data(framed(message, {"hidden": torch.ones(1, 1, HIDDEN)}))  # signs zeros, sends ones
+        reply, _ = await receive()
+        owner_reader.feed_data(framed(CloseSession()))
+        reader.feed_eof()
+        return reply
+
+    reply = serve(stack, scenario)
+    assert isinstance(reply, ErrorReply) and "digest" in reply.message
