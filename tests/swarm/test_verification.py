@@ -1,6 +1,7 @@
 """Spot checks against real servers (ClientConfig.verify_rate): a `corrupt` server is caught and generation is
-rewound so the output stays HF's, a lying checker is caught by a tie-breaker, honest servers of mixed dtype and
-quantization raise no alarm."""
+rewound so the output stays HF's, a lying checker is caught by a third opinion, honest servers of mixed dtype and
+quantization (checked in their own kinds, by float32 servers computing as them) raise no alarm. More liars:
+test_hostile_servers.py."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def test_honest_servers_of_mixed_dtype_and_quantization_raise_no_alarm(start_swa
     assert rewinds == []
 
 
-def test_without_a_tie_breaker_the_server_in_use_is_banned_on_its_first_checked_step(start_swarm, expected):
+def test_without_a_third_holder_the_client_computes_the_span_itself_and_convicts_the_server_in_use(start_swarm, expected):
     swarm = start_swarm(head=("0:2", []), corrupt=("2:4", [*PREFERRED, "--inject-fault", "corrupt"]),
                         honest=("2:4", BACKUP))
     swarm.procs["corrupt"].popen.send_signal(signal.SIGUSR1)
