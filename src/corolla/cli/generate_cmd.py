@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from corolla.protocol.codecs import CODECS
+
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
@@ -13,6 +15,9 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers of the swarm")
     p.add_argument("--dht-prefix", default=None, help="DHT namespace of the model (default: its name)")
     p.add_argument("--swarm-key", default=None, help="private swarm: the swarm key file (`corolla swarm-key PATH`)")
+    p.add_argument("--compression", default="none", choices=CODECS,
+                   help="how hidden states travel through the swarm: none (exact, default), bf16, fp16, int8, 4bit "
+                        "(smaller: faster long prompts over slow links, less exact)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's, else 1.0)")
@@ -77,7 +82,7 @@ def load_client(args: argparse.Namespace):
         torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix,
-                                                     swarm_key=args.swarm_key)
+                                                     swarm_key=args.swarm_key, compression=args.compression)
     return tokenizer, model
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from corolla.protocol.codecs import check_codec
 from corolla.protocol.messages import QUANT_MODES, QuantMode
 
 
@@ -43,6 +44,10 @@ class ClientConfig:
     verify_referee: bool = True
 
     max_chunk_bytes: int = 4 << 20  # training: largest hidden-state tensor per forward/backward message, bytes
+    # how hidden states travel between the client and servers and from server to server (protocol.codecs): "none"
+    # (exact, the default), "bf16", "fp16", "int8" (blockwise absmax) or "4bit" (Hadamard-rotated blocks); smaller
+    # codecs pay off for long prompts over slow links, and cost accuracy (docs: their measured quality)
+    compression: str = "none"
 
     # route only through servers whose announced quantization is one of these (QuantMode, or its strings "none",
     # "int8", "nf4"); None = any. ("none",) keeps outputs exact; a swarm without such servers for some block raises
@@ -50,6 +55,7 @@ class ClientConfig:
     allowed_quant: tuple[QuantMode, ...] | None = None
 
     def __post_init__(self) -> None:
+        check_codec(self.compression)
         if not 0.0 <= self.verify_rate <= 1.0:
             raise ValueError(f"verify_rate must be within [0, 1], got {self.verify_rate!r}")
         if self.allowed_quant is not None:

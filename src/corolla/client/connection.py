@@ -42,10 +42,11 @@ class Connection:
             raise PeerUnreachable(f"could not reach server {peer_id}: {e}") from e
         return cls(peer_id, reader, writer)
 
-    async def send(self, message: Message, tensors: Mapping[str, torch.Tensor] = _NO_TENSORS) -> None:
-        """Send a message and its tensors by name (the names its kind carries); PeerUnavailable if the stream broke."""
+    async def send(self, message: Message, tensors: Mapping[str, torch.Tensor] = _NO_TENSORS, codec: str = "none") -> None:
+        """Send a message and its tensors by name (the names its kind carries; hidden states in `codec`);
+        PeerUnavailable if the stream broke."""
         try:
-            await write_frame(self.writer, message, tensors)
+            await write_frame(self.writer, message, tensors, codec)
         except (ConnectionError, RuntimeError, OSError) as e:
             raise PeerUnavailable(f"stream to server {self.peer_id} broke: {e}") from e
 

@@ -221,6 +221,7 @@ class AutoDistributedModelForCausalLM:
         tuning_mode: str | None = None,
         pre_seq_len: int = 0,
         swarm_key: str | None = None,
+        compression: str | None = None,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of a local directory or hub repo and connect to the swarm.
 
@@ -231,7 +232,9 @@ class AutoDistributedModelForCausalLM:
         `tuning_mode` "ptune" / "deep_ptune" with `pre_seq_len` P adds trainable prompts (see client.ptune); they
         are the model's only parameters with requires_grad. `dtype` (transformers 5's name) or `torch_dtype`: the
         client-side weights' dtype (None or "auto": float32); ValueError if both are given and differ. `swarm_key`
-        (or client_config.swarm_key) is the key file of a private swarm.
+        (or client_config.swarm_key) is the key file of a private swarm. `compression` (or client_config.compression):
+        how hidden states travel, "none" (exact, the default), "bf16", "fp16", "int8" or "4bit" (protocol.codecs);
+        ValueError for another name.
         """
         config = client_config or ClientConfig()
         if initial_peers is not None:
@@ -244,6 +247,8 @@ class AutoDistributedModelForCausalLM:
             config = replace(config, active_adapter=active_adapter)
         if swarm_key is not None:
             config = replace(config, swarm_key=swarm_key)
+        if compression is not None:
+            config = replace(config, compression=compression)  # checked by ClientConfig
         if not config.initial_peers:
             raise ValueError("initial_peers is required: the multiaddr of a DHT peer of the swarm (see `corolla dht`)")
         if torch_dtype is not None and dtype is not None and _resolve_dtype(torch_dtype) != _resolve_dtype(dtype):

@@ -162,13 +162,15 @@ class RemoteBlocks:
 
     # ------------------------------------------------------------------ one request
     async def forward_span(self, span: Span, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None,
-                           emulate: ComputeKind | None = None) -> Tensor:
+                           emulate: ComputeKind | None = None, codec: str | None = None) -> Tensor:
         """rpc_forward of hidden (b, T, H) over one span; prompts (span blocks, P, H) or None; mask (b, T) or None;
-        `emulate`: computed as a server of that kind would (spot checks; server.emulation)."""
+        `emulate`: computed as a server of that kind would (spot checks; server.emulation); `codec`: how the hidden
+        states travel both ways (default ClientConfig.compression)."""
         tensors = _with_extras({"hidden": hidden}, mask, prompts)
         request = ForwardRequest(
             protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
             active_adapter=self.manager.config.active_adapter, emulate=emulate,
+            codec=self.manager.config.compression if codec is None else codec,
         )
         reply, out = await self._call(span.peer_id, "forward", request, tensors)
         if not isinstance(reply, ForwardResult) or out["hidden"].shape != hidden.shape:
@@ -182,7 +184,7 @@ class RemoteBlocks:
         tensors = _with_extras({"hidden": hidden, "grad_output": grad.to(hidden.dtype)}, mask, prompts)
         request = BackwardRequest(
             protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
-            active_adapter=self.manager.config.active_adapter,
+            active_adapter=self.manager.config.active_adapter, codec=self.manager.config.compression,
         )
         reply, out = await self._call(span.peer_id, "backward", request, tensors)
         grad_prompts = out.get("grad_prompts")
@@ -196,7 +198,7 @@ class RemoteBlocks:
         config = self.manager.config
         connection = await Connection.open(self.manager.node.p2p, peer_id, verb, config.connect_timeout)
         try:
-            await connection.send(request, tensors)
+            await connection.send(request, tensors, request.codec)
             return await connection.receive(config.request_timeout)
         finally:
             connection.close()

@@ -60,7 +60,7 @@ class SpanSession:
 
     def __init__(self, span: Span, connection: Connection, next_id: Callable[[], int], prompts: torch.Tensor | None = None,
                  session_id: str = "", source: PushSource | None = None, target: PushTarget | None = None,
-                 secret: str = ""):
+                 secret: str = "", codec: str = "none"):
         self.span = span
         self.connection = connection
         self.next_id = next_id  # the session's step ids: one counter for every span, so a pushed step keeps its id
@@ -69,6 +69,7 @@ class SpanSession:
         self.source = source  # what its server accepts pushes from
         self.target = target  # where its server pushes
         self.prompts = prompts  # deep prompts of this span's blocks (end - start, P, H), or None
+        self.codec = codec  # how the session's hidden states travel (ClientConfig.compression)
         self.history: torch.Tensor | None = None  # (B, tokens, H): inputs at positions [0, tokens)
         self.step_id = 0  # the id of the last step sent or pushed to it: its answer carries it
         # spot checks: the first position whose output from this server reached the chain (a replacement opened
@@ -86,7 +87,7 @@ class SpanSession:
                 OpenSession(
                     protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
                     max_length=max_length, batch_size=batch_size, alloc_timeout=config.alloc_timeout,
-                    active_adapter=config.active_adapter, push_from=source, push_to=target,
+                    active_adapter=config.active_adapter, push_from=source, push_to=target, codec=config.compression,
                 )
             )
             reply, _ = await connection.receive(config.connect_timeout + config.alloc_timeout)
@@ -95,7 +96,8 @@ class SpanSession:
         except BaseException:
             connection.close()
             raise
-        return cls(span, connection, next_id, prompts, reply.session_id, source, target, secret or new_secret())
+        return cls(span, connection, next_id, prompts, reply.session_id, source, target, secret or new_secret(),
+                   config.compression)
 
     def hop(self) -> RouteHop:
         """This span as push links see it."""
@@ -133,7 +135,7 @@ class SpanSession:
         if self.prompts is not None and position < self.prompts.shape[1]:
             tensors["prompts"] = self.prompts
         await self.connection.send(InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids, push=push),
-                                   tensors)
+                                   tensors, self.codec)
         return self.step_id
 
     async def receive(self, step_input: torch.Tensor, timeout: float, pushed: Pushed | None = None,

@@ -45,7 +45,7 @@ from corolla.client.remote_autograd import RemoteBlocks
 from corolla.client.reputation import Reputation
 from corolla.client.referee import Referee
 from corolla.client.routing import Span
-from corolla.client.verification import (EXACT, CheckPlan, Rewind, Verdict, kind_of, kind_tolerance, opinion_tolerance,
+from corolla.client.verification import (EXACT, CheckPlan, Rewind, Verdict, codec_tolerance, kind_of, kind_tolerance, opinion_tolerance,
                                          plan_checkers, referee_verdict, relative_error, rewind_position, sequence_rewind,
                                          settle)
 from corolla.protocol.errors import PeerUnavailable, RemoteError
@@ -201,7 +201,9 @@ class SessionChecks:
             return  # every candidate failed to answer (each counted against itself)
         checker, reference = first
         err = relative_error(output, reference)
-        tol = opinion_tolerance(suspect_kind, checker.kind)
+        # the suspect's output reached the session through the session's codec: its error is the client's own choice
+        widen = codec_tolerance(client.manager.config.compression)
+        tol = opinion_tolerance(suspect_kind, checker.kind) + widen
         if err <= tol:
             client.reputation.passed(suspect)
             client.reputation.passed(checker.peer_id)
@@ -220,7 +222,7 @@ class SessionChecks:
             third, tie = opinion
             thirds = [[p for p in tier if p.peer_id != third.peer_id] for tier in thirds]
             thirds = [tier for tier in thirds if tier]
-            verdict = settle(relative_error(output, tie), opinion_tolerance(suspect_kind, third.kind),
+            verdict = settle(relative_error(output, tie), opinion_tolerance(suspect_kind, third.kind) + widen,
                              relative_error(reference, tie), opinion_tolerance(checker.kind, third.kind))
             logger.warning("third opinion from peer=%s: %s", third.peer_id, verdict)
             if verdict in ("ban_checker", "ban_suspect"):
@@ -234,7 +236,7 @@ class SessionChecks:
                 logger.warning("the client could not compute blocks %d:%d itself (%s): dispute unsettled",
                                span.start, span.end, e)
             else:
-                verdict = referee_verdict(relative_error(output, truth), kind_tolerance(kind),
+                verdict = referee_verdict(relative_error(output, truth), kind_tolerance(kind) + widen,
                                           relative_error(reference, truth), opinion_tolerance(checker.kind, kind))
                 logger.warning("the client computed blocks %d:%d itself: %s", span.start, span.end, verdict)
         if verdict == "dispute":
@@ -273,7 +275,7 @@ class SessionChecks:
             plan = tier.pop(client.pick_rng.randrange(len(tier)))
             try:
                 out = await blocks.forward_span(Span(plan.peer_id, span.start, span.end), inputs, prompts,
-                                                emulate=plan.emulate)
+                                                emulate=plan.emulate, codec="none")  # opinions travel exact
             except RemoteError as e:
                 if e.code == ErrorCode.BAD_REQUEST:  # it cannot compute this (e.g. as another kind): no fault of it
                     logger.debug("checker %s cannot check %s: %s", plan.peer_id, span.peer_id, e)

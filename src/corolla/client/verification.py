@@ -61,6 +61,10 @@ TOL_HALF = 2e-2  # float16 / bfloat16 compute against float32
 TOL_INT8 = 6e-2  # LLM.int8() weights against float32
 TOL_NF4 = 6e-1  # 4-bit NormalFloat weights against float32
 
+# what a session's codec (protocol.codecs) may add to the relative error of an output that crossed the wire in it
+# once: about 2x the codec's error measured on activations with outliers (tests/unit/test_codecs.py)
+CODEC_TOLERANCE = {"none": 0.0, "bf16": 1e-2, "fp16": 2e-3, "int8": 5e-2, "4bit": 4e-1}
+
 Verdict = Literal["agree", "ban_suspect", "ban_checker", "ban_both", "dispute"]
 
 
@@ -75,6 +79,11 @@ def relative_error(output: Tensor, reference: Tensor) -> float:
     if not bool(torch.isfinite(a).all()):
         return float("inf")
     return float(err.max())
+
+
+def codec_tolerance(codec: str) -> float:
+    """How much a session's codec widens its checks' tolerances: only what the client chose to lose."""
+    return CODEC_TOLERANCE[codec]
 
 
 def kind_of(info: ServerInfo | None) -> ComputeKind | None:

@@ -26,6 +26,7 @@ MAX_ADAPTER_NAME = 4096  # characters of an adapter's name (a hub repo id or a p
 MAX_MADDRS = 16  # multiaddrs a server may announce
 MAX_MADDR_CHARS = 512
 MAX_PEER_ID = 128  # characters of a peer id or a session id
+Codec = Literal["none", "bf16", "fp16", "int8", "4bit"]  # activations on the wire (protocol.codecs)
 MIN_SECRET, MAX_SECRET = 16, 64  # characters of a push secret (a random hex string the session's owner chose)
 MAX_NEXT_PINGS = 16  # next-hop round trips a server may announce (ServerInfo.next_pings)
 MAX_PING_SECONDS = 60.0  # the longest round trip a server may announce; a longer one is a broken link, not a ping
@@ -101,6 +102,7 @@ class ServerInfo(_Message):
     # full multiaddrs clients may dial this server at (.../p2p/<peer id>); empty = let p2pd find them
     maddrs: tuple[Annotated[str, Field(min_length=1, max_length=MAX_MADDR_CHARS)], ...] = Field(default=(), max_length=MAX_MADDRS)
     relayed: bool = False  # reachable only through a relay (its maddrs are /p2p-circuit/ ones): an extra hop per step
+    codecs: tuple[Codec, ...] = ("none",)  # activation codecs its sessions and passes accept (protocol.codecs)
     # push routing: peer id -> smoothed round trip in seconds from this server to that one, for the servers a step
     # pushed on from here would likely go to (server.next_hops); empty in records of servers that predate it
     next_pings: dict[
@@ -170,6 +172,7 @@ class OpenSession(_Message):
     # push mode (server.push): who may push steps into this session, and where this session pushes its outputs
     push_from: PushSource | None = None
     push_to: PushTarget | None = None
+    codec: Codec = "none"  # how the session's hidden states travel, on every hop (its steps, answers and pushes)
 
 
 class SetPush(_Message):
@@ -301,6 +304,7 @@ class ForwardRequest(_Message):
     # spot checks: compute as a server of this kind would (a server with float32 weights can; others refuse), so a
     # suspect is compared like with like, within the tight tolerance of its own kind
     emulate: ComputeKind | None = None
+    codec: Codec = "none"  # how the answer's hidden states travel (the request's are in whatever codec they came)
 
 
 class ForwardResult(_Message):
@@ -324,6 +328,7 @@ class BackwardRequest(_Message):
     protocol_version: int
     blocks: BlockRange
     active_adapter: str | None = None  # the LoRA adapter the forward ran with (see OpenSession)
+    codec: Codec = "none"  # how the answer's gradients travel
 
 
 class BackwardResult(_Message):

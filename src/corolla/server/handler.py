@@ -156,9 +156,9 @@ class ConnectionHandler:
                           ) -> tuple[_M, dict[str, torch.Tensor]]:
         return await _read_first(reader, kind, max_bytes, self.first_message_timeout)
 
-    async def _send(self, writer: asyncio.StreamWriter, message: Message, tensors: Mapping[str, torch.Tensor] | None = None
-                    ) -> None:
-        await _send(writer, message, tensors or {}, self.config.session_timeout)
+    async def _send(self, writer: asyncio.StreamWriter, message: Message, tensors: Mapping[str, torch.Tensor] | None = None,
+                    codec: str = "none") -> None:
+        await _send(writer, message, tensors or {}, self.config.session_timeout, codec)
 
     # ------------------------------------------------------------------ rpc_info, rpc_probe
     async def rpc_info(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
@@ -183,7 +183,7 @@ class ConnectionHandler:
                 else None))
         output = await self.compute.forward(hidden, blocks.start, blocks.end, request.active_adapter, prompts, mask,
                                             request.emulate)
-        await self._send(writer, ForwardResult(), {"hidden": output.to(hidden.dtype)})
+        await self._send(writer, ForwardResult(), {"hidden": output.to(hidden.dtype)}, request.codec)
 
     async def rpc_backward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         """hidden, grad_output (and an attention mask and deep prompts, as rpc_forward takes them) ->
@@ -197,7 +197,7 @@ class ConnectionHandler:
         grads = {"grad_hidden": grad_hidden.to(hidden.dtype)}
         if grad_prompts is not None and prompts is not None:
             grads["grad_prompts"] = grad_prompts.to(prompts.dtype)
-        await self._send(writer, BackwardResult(), grads)
+        await self._send(writer, BackwardResult(), grads, request.codec)
 
     # ------------------------------------------------------------------ rpc_inference
     async def rpc_inference(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
@@ -208,7 +208,7 @@ class ConnectionHandler:
         self.checks.open_session(request)
         async with self.table.open(request, peer) as session:
             frame_limit = self.checks.step_frame_limit(session.batch_size, session.max_length, session.num_blocks)
-            live = LiveSession(session, writer)
+            live = LiveSession(session, writer, codec=request.codec)
             try:
                 self.links.set_source(live, request.push_from)
                 self.links.set_target(live, request.push_to)
@@ -247,7 +247,7 @@ class ConnectionHandler:
                     result, output = await self.run_step(session, message, tensors)
                     if message.push:
                         result = await self._push_on(live, result, message, output, tensors.get("attention_mask"))
-                    await self._send(writer, result, {"hidden": output})
+                    await self._send(writer, result, {"hidden": output}, live.codec)
         finally:
             if reading is not None:
                 reading.cancel()
@@ -261,9 +261,9 @@ class ConnectionHandler:
             return result
         pushed = output if self.faults is None else self.faults.pushed(output)  # corrupt-push: a test's liar
         push, tensors = outgoing_push(self.key, target, message.step_id, message.position, message.hypo_ids,
-                                      True, pushed, mask)
+                                      True, pushed, mask, live.codec)
         try:
-            await self.pushes.send(target.peer_id, push, tensors)
+            await self.pushes.send(target.peer_id, push, tensors, live.codec)
         except Exception as e:  # the next server is gone: the client replaces it and relays this step
             logger.info("push to %s failed: %r", target.peer_id, e)
             return result.model_copy(update={"push_error": f"push to {target.peer_id} failed: {type(e).__name__}: {e}"})
@@ -312,7 +312,7 @@ class ConnectionHandler:
                 result = result.model_copy(update={"receipt": message.receipt})
                 if message.push:
                     result = await self._push_on(live, result, message, output, tensors.get("attention_mask"))
-                await self._send(live.writer, result, {"hidden": output})
+                await self._send(live.writer, result, {"hidden": output}, live.codec)
             except (ConnectionError, asyncio.CancelledError):
                 abort_stream(live.writer)
                 raise
@@ -345,12 +345,12 @@ async def _read_first(reader: asyncio.StreamReader, kind: type[_M], max_bytes: i
     return message, tensors
 
 
-async def _send(writer: asyncio.StreamWriter, message: Message, tensors: Mapping[str, torch.Tensor], timeout: float
-                ) -> None:
+async def _send(writer: asyncio.StreamWriter, message: Message, tensors: Mapping[str, torch.Tensor], timeout: float,
+                codec: str = "none") -> None:
     """Write one frame. A peer that has not taken it within `timeout` seconds stopped reading: its stream is aborted
     (dropping what is buffered for it) and ConnectionAbortedError ends the handler."""
     try:
-        await asyncio.wait_for(write_frame(writer, message, tensors), timeout)
+        await asyncio.wait_for(write_frame(writer, message, tensors, codec), timeout)
     except asyncio.TimeoutError:
         logger.info("stream aborted: the peer took no data for %.0fs", timeout)
         abort_stream(writer)

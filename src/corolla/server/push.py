@@ -29,6 +29,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from corolla.protocol import rpc_handler_name
+from corolla.protocol.codecs import roundtrip
 from corolla.protocol.framing import abort_stream, read_frame, write_frame
 from corolla.protocol.messages import ErrorCode, ErrorReply, Message, PushSource, PushStep, PushTarget
 from corolla.protocol.receipts import receipt_signed, sign_receipt, tensor_digest
@@ -47,6 +48,7 @@ class LiveSession:
     writer: asyncio.StreamWriter  # the owner's rpc_inference stream: every result of this session goes there
     source: PushSource | None = None
     target: PushTarget | None = None
+    codec: str = "none"  # how the session's hidden states travel (its answers and its pushes)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one step at a time, in arrival order
     touched: float = field(default_factory=time.monotonic)  # when the owner or a push last sent a step (idle timeout)
 
@@ -110,11 +112,13 @@ class PushLinks:
 
 
 def outgoing_push(key: PeerKey, target: PushTarget, step_id: int, position: int, hypo_ids: list[int] | None,
-                  push: bool, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[PushStep, dict[str, torch.Tensor]]:
-    """The PushStep (with this server's signed receipt) and tensors that carry `hidden` (B, T, H) on to `target`."""
+                  push: bool, hidden: torch.Tensor, mask: torch.Tensor | None, codec: str = "none"
+                  ) -> tuple[PushStep, dict[str, torch.Tensor]]:
+    """The PushStep (with this server's signed receipt) and tensors that carry `hidden` (B, T, H) on to `target` in
+    `codec`; the receipt's digest is of what the receiver decodes."""
     tensors = {"hidden": hidden} if mask is None else {"hidden": hidden, "attention_mask": mask}
     receipt = sign_receipt(key, target.peer_id, target.secret, step_id, position, hypo_ids, push,
-                           tensor_digest(hidden, mask))
+                           tensor_digest(roundtrip(codec, hidden), mask))
     message = PushStep(secret=target.secret, step_id=step_id, position=position, hypo_ids=hypo_ids, push=push,
                        receipt=receipt)
     return message, tensors
@@ -146,14 +150,15 @@ class PushPool:
         self._locks: dict[str, asyncio.Lock] = {}
         self.refusals: list[str] = []  # the last refusals pushes got (for logs and tests), newest last
 
-    async def send(self, peer_id: str, message: Message, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Send one push to `peer_id` (a broken pooled stream is reopened once); raises on failure."""
+    async def send(self, peer_id: str, message: Message, tensors: Mapping[str, torch.Tensor], codec: str = "none") -> None:
+        """Send one push to `peer_id`, hidden states in `codec` (a broken pooled stream is reopened once); raises on
+        failure."""
         lock = self._locks.setdefault(peer_id, asyncio.Lock())
         async with lock:
             for attempt in range(2):
                 _, writer, _ = await self._stream(peer_id)
                 try:
-                    await asyncio.wait_for(write_frame(writer, message, tensors), self.timeout)
+                    await asyncio.wait_for(write_frame(writer, message, tensors, codec), self.timeout)
                     return
                 except (ConnectionError, RuntimeError, OSError, asyncio.TimeoutError):
                     self._drop(peer_id)

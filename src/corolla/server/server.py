@@ -20,6 +20,7 @@ from corolla.checkpoint import load_config
 from corolla.dht import ModelRecord, SwarmNode, create_swarm_node, fetch_block_servers, model_dht_prefix
 from corolla.models import get_family
 from corolla.protocol import PROTOCOL_VERSION
+from corolla.protocol.codecs import CODECS
 from corolla.membership import load_swarm_key
 from corolla.protocol.messages import MAX_MADDRS, InfoReply, ServerInfo, ServerState
 from corolla.server.adapters import read_adapter_config
@@ -112,6 +113,7 @@ class Server:
             maddrs=self.maddrs[:MAX_MADDRS],
             relayed=self.node is not None and self.node.relayed,
             next_pings=self.next_hops.announced() if self.next_hops is not None else {},
+            codecs=CODECS,
         )
 
     def info_reply(self) -> InfoReply:
