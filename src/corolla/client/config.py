@@ -48,6 +48,9 @@ class ClientConfig:
     # (exact, the default), "bf16", "fp16", "int8" (blockwise absmax) or "4bit" (Hadamard-rotated blocks); smaller
     # codecs pay off for long prompts over slow links, and cost accuracy (docs: their measured quality)
     compression: str = "none"
+    # pipelined prefill (client.pipelined_prefill): a long step crosses a push route in chunks of this many tokens,
+    # so servers compute and push chunk k while chunk k + 1 arrives; None = chosen by the bytes per token (~1 MiB chunks)
+    prefill_chunk_tokens: int | None = None
 
     # route only through servers whose announced quantization is one of these (QuantMode, or its strings "none",
     # "int8", "nf4"); None = any. ("none",) keeps outputs exact; a swarm without such servers for some block raises
@@ -56,6 +59,8 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         check_codec(self.compression)
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be at least 1, got {self.prefill_chunk_tokens!r}")
         if not 0.0 <= self.verify_rate <= 1.0:
             raise ValueError(f"verify_rate must be within [0, 1], got {self.verify_rate!r}")
         if self.allowed_quant is not None:

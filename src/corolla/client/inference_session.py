@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from corolla.client.event_loop import run_sync
+from corolla.client.pipelined_prefill import ChunkFailed, chunk_tokens, pipelined_push
 from corolla.client.push_route import RouteHop, can_push, links_to_fix, wanted_links
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
@@ -281,6 +282,11 @@ class InferenceSession:
         except (PeerUnavailable, RemoteError) as e:  # relaying finds (and replaces) the server that failed
             logger.info("set_push failed: %s", e)
             return await self._relay(hidden, position, mask, hypo_ids, 0)
+        tokens = None if hypo_ids is not None else chunk_tokens(
+            hidden.shape[0], hidden.shape[1], hidden.shape[2], self.config.compression, hidden.dtype,
+            self.config.prefill_chunk_tokens)
+        if tokens is not None:
+            return await self._pipelined_step(hidden, position, mask, tokens)
         inputs, index = [hidden], 0
         try:
             step_id = await spans[0].send(hidden, position, mask, hypo_ids, push=True)
@@ -310,6 +316,41 @@ class InferenceSession:
         self._accept(spans, inputs, position, mask, hypo_ids)
         self.pushed_steps += 1
         return inputs[-1]
+
+    async def _pipelined_step(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None,
+                              tokens: int) -> torch.Tensor:
+        """A long push step sent in chunks of `tokens` (client.pipelined_prefill). If a chunk fails, every link is
+        cut (chunks still in flight are refused from then on), the span at fault, if any, is handled as in
+        `_push_step`, and the whole step is relayed again from the first span, overwriting what the chunks left."""
+        spans = self._spans
+        assert spans is not None
+        try:
+            inputs = await pipelined_push(spans, hidden, position, mask, tokens, self.config.request_timeout)
+        except ChunkFailed as failed:
+            logger.info("pipelined step failed at span %d: %s; relaying it whole", failed.index, failed.error)
+            await asyncio.gather(*(s.set_push(None, None, self.config.connect_timeout) for s in spans),
+                                 return_exceptions=True)
+            await self._blame(failed.index, failed.error, position)
+            return await self._relay(hidden, position, mask, None, 0)
+        self.exchanges += 1
+        self._accept(spans, inputs, position, mask, None)
+        self.pushed_steps += 1
+        return inputs[-1]
+
+    async def _blame(self, index: int, error: Exception, position: int) -> None:
+        """After spans[index] failed a pushed step: replace whoever is at fault (the pusher when its own receipt
+        convicts it, the span itself when it answered badly or failed to answer what the client sent it; nobody when
+        it could not push on, or did not answer a push that may never have come)."""
+        spans = self._spans
+        assert spans is not None
+        if isinstance(error, BadAnswer) and error.blame.who == "pusher":
+            liar = spans[index - 1].span.peer_id
+            logger.warning("distrusting peer=%s: %s", liar, error.blame.reason)
+            self._distrust(liar, error.blame.reason)
+            await self._replace_span(index - 1, position)
+        elif isinstance(error, (BadAnswer, RemoteError)) or (isinstance(error, PeerUnavailable) and index == 0):
+            self.manager.after_failure(error, 0, spans[index].span)  # re-raises what no other server would fix
+            await self._replace_span(index, position)
 
     def _accept(self, spans: Sequence[SpanSession], inputs: list[torch.Tensor], position: int,
                 mask: torch.Tensor | None, hypo_ids: list[int] | None) -> None:

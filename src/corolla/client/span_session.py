@@ -139,24 +139,26 @@ class SpanSession:
         return self.step_id
 
     async def receive(self, step_input: torch.Tensor, timeout: float, pushed: Pushed | None = None,
-                      position: int = 0, hypo_ids: list[int] | None = None) -> torch.Tensor:
-        """The checked answer to step `self.step_id`, whose input was `step_input` (sent by us, or `pushed` by the
-        server before: then its receipt is judged, with the step's `position` and `hypo_ids`). Answers to older
-        steps (pushed before a failover relayed them) are skipped. Records nothing (see `record`).
+                      position: int = 0, hypo_ids: list[int] | None = None, step_id: int | None = None) -> torch.Tensor:
+        """The checked answer to step `step_id` (default: the last one sent or pushed, `self.step_id`), whose input
+        was `step_input` (sent by us, or `pushed` by the server before: then its receipt is judged, with the step's
+        `position` and `hypo_ids`). Answers to older steps (pushed before a failover relayed them) are skipped.
+        Records nothing (see `record`).
 
         Raises BadAnswer for a malformed or dishonest answer (saying whose fault), PushFailed when the server could
         not push its output on, and PeerUnavailable / RemoteError as the connection does."""
+        expected = self.step_id if step_id is None else step_id
         while True:
             reply, tensors = await self.connection.receive(timeout)
-            if isinstance(reply, (StepResult, PushRefused)) and reply.step_id < self.step_id:
+            if isinstance(reply, (StepResult, PushRefused)) and reply.step_id < expected:
                 continue
             break
         peer = self.span.peer_id
-        if not isinstance(reply, (StepResult, PushRefused)) or reply.step_id != self.step_id:
-            raise PeerUnavailable(f"server {peer} answered step {self.step_id} with {reply.kind}")
+        if not isinstance(reply, (StepResult, PushRefused)) or reply.step_id != expected:
+            raise PeerUnavailable(f"server {peer} answered step {expected} with {reply.kind}")
         if pushed is not None:
             blame = judge_receipt(reply.receipt, pusher=pushed.pusher, receiver=peer, secret=pushed.secret,
-                                  step_id=self.step_id, position=position, hypo_ids=hypo_ids, digest=pushed.digest)
+                                  step_id=expected, position=position, hypo_ids=hypo_ids, digest=pushed.digest)
             if blame is None and isinstance(reply, PushRefused):
                 blame = Blame("receiver", f"it refused a well-formed push ({reply.reason})")
             if blame is not None:
