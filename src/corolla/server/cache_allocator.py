@@ -69,15 +69,18 @@ class CacheAllocator:
         except asyncio.TimeoutError:
             pass
         except asyncio.CancelledError:
+            self._leave(entry)
             if future.done():  # granted, but the caller went away
                 self.release(request.owner)
+            else:
+                future.cancel()
+                self._grant()  # a waiter leaving may let those behind it in
             raise
-        finally:
-            self._leave(entry)
+        self._leave(entry)
         if future.done():  # granted at the last moment
             return True
         future.cancel()
-        self._grant()  # a waiter leaving may let those behind it in
+        self._grant()
         return False
 
     def release(self, owner: str) -> None:
