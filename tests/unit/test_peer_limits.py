@@ -49,12 +49,14 @@ class Transport:
 
 
 class MemoryWriter:
-    """A stream's server side writer; `stalled` makes drain() block, as a peer that stopped reading does."""
+    """A stream's server side writer; while `reading` is clear, drain() blocks, as with a peer that stopped reading."""
 
     def __init__(self, stalled: bool = False) -> None:
         self.buffer = bytearray()
         self.ready = asyncio.Event()
-        self.stalled = stalled
+        self.reading = asyncio.Event()
+        if not stalled:
+            self.reading.set()
         self.transport = Transport()
         self.most_buffered = 0  # the most bytes ever written but not drained
 
@@ -64,8 +66,7 @@ class MemoryWriter:
         self.ready.set()
 
     async def drain(self) -> None:
-        if self.stalled:
-            await asyncio.Event().wait()
+        await self.reading.wait()
 
     def close(self) -> None:
         pass
@@ -289,10 +290,25 @@ def test_a_stalled_probe_reader_is_dropped_and_its_peer_gets_one_probe_at_a_time
         await asyncio.wait_for(stalled.task, 10)  # dropped after probe_stall_timeout
         return refused, answered, stalled.writer.transport.aborted, stalled.writer.most_buffered
 
-    refused, answered, aborted, buffered = serve(stack, scenario, probe_stall_timeout=0.2)
+    refused, answered, aborted, buffered = serve(stack, scenario, probe_stall_timeout=2.0)
     assert isinstance(refused, ErrorReply) and refused.code == "peer_limit" and "one at a time" in refused.message
     assert isinstance(answered, ProbeReply)
     assert aborted and buffered < PROBE_CHUNK_BYTES + 1024  # the header and one chunk, never the whole 4 MiB
+
+
+def test_a_peers_probe_arriving_while_its_previous_one_ends_waits_for_it(stack):
+    async def scenario(handler, open_stream):
+        first = open_stream("probe", "p", stalled=True)
+        first.send(framed(ProbeRequest(reply_bytes=1 << 20), {"payload": torch.zeros(0, dtype=torch.int32)}))
+        await settle()
+        second = open_stream("probe", "p")
+        second.send(framed(ProbeRequest(reply_bytes=8), {"payload": torch.zeros(0, dtype=torch.int32)}))
+        await asyncio.sleep(0.3)  # the first one's reader catches up within the second one's wait
+        first.writer.reading.set()
+        return (await first.receive())[0], (await second.receive())[0]
+
+    first, second = serve(stack, scenario)
+    assert isinstance(first, ProbeReply) and isinstance(second, ProbeReply)
 
 
 def test_a_probe_larger_than_the_servers_limit_is_refused(stack):

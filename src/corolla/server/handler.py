@@ -162,7 +162,7 @@ class ConnectionHandler:
         """Another server measuring its bandwidth: take its payload, send back the bytes it asks for (both at most
         max_probe_bytes; one probe per peer at a time, max_probes in all; the reply streamed, never held whole)."""
         limit = self.config.max_probe_bytes
-        with self.peer_limits.probe(peer):
+        async with self.peer_limits.probe(peer):
             request, _ = await self._read_first(reader, ProbeRequest, max_bytes=limit + (1 << 16))
             if request.reply_bytes > limit:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"a probe reply of {request.reply_bytes} bytes exceeds this "

@@ -4,7 +4,8 @@
               until its handler and linger end; over `max_streams`: refused at once with PEER_LIMIT, not lingered on
     passes    rpc_forward / rpc_backward calls read and run at once; further calls of that peer wait their turn
               unread (a fair share of the compute queue and of the memory their frames take), for `wait` at most
-    probes    one bandwidth probe per peer at a time, `max_probes` over all peers; more: PEER_LIMIT
+    probes    one bandwidth probe per peer at a time (a second waits PROBE_SLOT_WAIT for the first), `max_probes`
+              over all peers; more: PEER_LIMIT
 
 A peer over a limit gets the error on that stream only; its other streams, and every other peer, go on. Each
 counter only ever holds peers with something open, so peers that come and go leave nothing behind.
@@ -18,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 from corolla.protocol.framing import abort_stream
@@ -29,6 +30,7 @@ from corolla.server.validation import RequestError
 logger = logging.getLogger(__name__)
 
 REFUSAL_WRITE_TIMEOUT = 2.0  # seconds a refused stream's error may take to write before the stream is dropped
+PROBE_SLOT_WAIT = 1.0  # seconds a peer's probe waits for its previous one to end (it may come just before that)
 REFUSAL_LINGER = 1.0  # seconds a refused stream waits for its peer to close it (so the error is not lost), at most
 
 
@@ -39,9 +41,10 @@ def over(count: int, limit: int) -> bool:
 
 @dataclass
 class _Slots:
-    """The pass slots of one peer: a semaphore, and how many calls hold or wait for one."""
+    """The slots of one peer: a semaphore, how many calls hold one, and how many hold or wait for one."""
 
     semaphore: asyncio.Semaphore
+    held: int = 0
     users: int = 0
 
 
@@ -56,6 +59,7 @@ class PeerLimits:
         self.refusing: Counter[str] = Counter()  # refused streams still being answered, per peer (max_streams at most)
         self.probes: set[str] = set()
         self._passes: dict[str, _Slots] = {}
+        self._probe_slots: dict[str, _Slots] = {}
 
     # ------------------------------------------------------------------ streams
     def guard(self, on_stream: Callable[..., Awaitable[None]], verb: str,
@@ -87,50 +91,61 @@ class PeerLimits:
         return counted
 
     # ------------------------------------------------------------------ forward / backward passes
-    @asynccontextmanager
-    async def pass_slot(self, peer: str, wait: float) -> AsyncIterator[None]:
+    def pass_slot(self, peer: str, wait: float) -> AbstractAsyncContextManager[None]:
         """Hold one of `peer`'s `max_passes` pass slots, waiting for one in arrival order; RequestError(TIMEOUT) if
         none frees up within `wait` seconds."""
-        slots = self._passes.get(peer)
-        if slots is None:
-            slots = self._passes[peer] = _Slots(asyncio.Semaphore(self.max_passes))
-        slots.users += 1
-        try:
-            try:
-                async with asyncio.timeout(wait):
-                    await slots.semaphore.acquire()
-            except TimeoutError:
-                raise RequestError(ErrorCode.TIMEOUT, f"per-peer limit: your peer's {self.max_passes} forward/backward "
-                                                      f"calls in flight here did not finish within {wait:.0f}s") from None
-            try:
-                yield
-            finally:
-                slots.semaphore.release()
-        finally:
-            slots.users -= 1
-            if not slots.users:
-                del self._passes[peer]
+        return _slot(self._passes, peer, self.max_passes, wait, lambda: RequestError(
+            ErrorCode.TIMEOUT, f"per-peer limit: your peer's {self.max_passes} forward/backward calls in flight here "
+                               f"did not finish within {wait:.0f}s"))
 
     def passes_in_flight(self, peer: str) -> int:
         """Calls of `peer` holding a pass slot now (those waiting for one not counted)."""
         slots = self._passes.get(peer)
-        return 0 if slots is None else self.max_passes - slots.semaphore._value  # noqa: SLF001 (asyncio has no getter)
+        return 0 if slots is None else slots.held
 
     # ------------------------------------------------------------------ probes
-    @contextmanager
-    def probe(self, peer: str) -> Iterator[None]:
-        """Hold `peer`'s one probe; RequestError(PEER_LIMIT) if it has one running or `max_probes` run already."""
-        if peer in self.probes:
-            raise RequestError(ErrorCode.PEER_LIMIT, "per-peer limit: your peer has a bandwidth probe running here "
-                                                     "already (one at a time)")
-        if over(len(self.probes), self.max_probes):
-            raise RequestError(ErrorCode.PEER_LIMIT, f"this server answers {self.max_probes} bandwidth probes at once; "
-                                                     f"try again later")
-        self.probes.add(peer)
+    @asynccontextmanager
+    async def probe(self, peer: str) -> AsyncIterator[None]:
+        """Hold `peer`'s one probe (waiting PROBE_SLOT_WAIT at most for its previous one to end); RequestError
+        (PEER_LIMIT) if it still has one running, or if `max_probes` run already."""
+        async with _slot(self._probe_slots, peer, 1, PROBE_SLOT_WAIT, lambda: RequestError(
+                ErrorCode.PEER_LIMIT, "per-peer limit: your peer has a bandwidth probe running here already (one at "
+                                      "a time)")):
+            if over(len(self.probes), self.max_probes):
+                raise RequestError(ErrorCode.PEER_LIMIT, f"this server answers {self.max_probes} bandwidth probes at "
+                                                         f"once; try again later")
+            self.probes.add(peer)
+            try:
+                yield
+            finally:
+                self.probes.discard(peer)
+
+
+@asynccontextmanager
+async def _slot(table: dict[str, _Slots], peer: str, capacity: int, wait: float,
+                refusal: Callable[[], RequestError]) -> AsyncIterator[None]:
+    """Hold one of `peer`'s `capacity` slots in `table`, waiting `wait` seconds at most (in arrival order), else raise
+    refusal(). A peer's entry lives while some call holds or waits for one of its slots."""
+    slots = table.get(peer)
+    if slots is None:
+        slots = table[peer] = _Slots(asyncio.Semaphore(capacity))
+    slots.users += 1
+    try:
+        try:
+            async with asyncio.timeout(wait):
+                await slots.semaphore.acquire()
+        except TimeoutError:
+            raise refusal() from None
+        slots.held += 1
         try:
             yield
         finally:
-            self.probes.discard(peer)
+            slots.held -= 1
+            slots.semaphore.release()
+    finally:
+        slots.users -= 1
+        if not slots.users:
+            del table[peer]
 
 
 def _decrement(counter: Counter[str], key: str) -> None:
