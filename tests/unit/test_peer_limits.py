@@ -101,7 +101,7 @@ class Stream:
         self.reader, self.writer = asyncio.StreamReader(), MemoryWriter(stalled)
         info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: peer))
         on_stream = handler.peer_limits.guard(_stream_adapter(handler._handlers()[verb], verb, handler.metrics), verb,
-                                              write_frame)
+                                              write_frame, handler.metrics.observe_error)
         self.task = asyncio.ensure_future(on_stream(info, self.reader, self.writer))
 
     def send(self, data: bytes) -> None:
@@ -175,9 +175,12 @@ def test_a_peer_past_its_stream_limit_is_refused_with_peer_limit_and_another_pee
         await held[0].task
         again = open_stream("forward", "greedy")
         again.send(forward_frame(1, 2))
-        return refused, answer, counted, (await again.receive())[0]
+        metric = handler.metrics.registry.get_sample_value("corolla_server_errors_total",
+                                                           {"rpc": "forward", "code": "peer_limit"})
+        return refused, answer, counted, (await again.receive())[0], metric
 
-    refused, answer, counted, again = serve(stack, scenario, max_peer_streams=3)
+    refused, answer, counted, again, metric = serve(stack, scenario, max_peer_streams=3)
+    assert metric == 1
     assert isinstance(refused, ErrorReply) and refused.code == "peer_limit", refused
     assert "3 streams open" in refused.message
     assert isinstance(answer, ForwardResult) and isinstance(again, ForwardResult)
@@ -230,7 +233,7 @@ def test_a_pass_over_more_tokens_than_the_limit_is_refused_before_computing(stac
         stream.send(forward_frame(5, 4))  # 20 tokens, each row within the session limit
         return (await stream.receive())[0]
 
-    reply = serve(stack, scenario, max_pass_tokens=16)
+    reply = serve(stack, scenario, max_pass_tokens=16, max_session_length=8)
     assert isinstance(reply, ErrorReply) and reply.code == "bad_request"
     assert "5 x 4 = 20 tokens exceeds this server's limit of 16 tokens" in reply.message
 
@@ -257,7 +260,7 @@ def test_a_backward_within_the_limits_still_runs(stack):
                            {"hidden": hidden, "grad_output": torch.ones_like(hidden)}))
         return await stream.receive()
 
-    reply, tensors = serve(stack, scenario, max_pass_tokens=16)
+    reply, tensors = serve(stack, scenario, max_pass_tokens=16, max_session_length=8)
     assert reply.kind == "backward_result" and tensors["grad_hidden"].shape == (2, 8, HIDDEN)
 
 
@@ -352,3 +355,13 @@ def test_the_model_is_named_to_peers_without_its_local_path(tmp_path):
 def test_limits_out_of_range_are_refused_when_the_config_is_built(field, value):
     with pytest.raises(ValueError, match=field):
         ServerConfig(model="m", **{field: value})
+
+
+def test_one_row_of_a_whole_session_always_fits_in_a_pass(stack):
+    async def scenario(handler, open_stream):
+        stream = open_stream("forward", "p")
+        stream.send(forward_frame(1, 24))  # 24 tokens > max_pass_tokens, but one row within max_session_length
+        return (await stream.receive())[0], handler.checks.max_pass_tokens
+
+    reply, limit = serve(stack, scenario, max_pass_tokens=16, max_session_length=32)
+    assert isinstance(reply, ForwardResult) and limit == 32

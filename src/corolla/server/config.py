@@ -125,9 +125,10 @@ class ServerConfig:
     )
     max_pass_tokens: int = field(
         default=32768,
-        metadata=_opt("most tokens (batch x length) of one rpc_forward/rpc_backward, which bounds its frame before "
-                      "it is read and its compute; clients' training chunks (4 MiB of hidden states, or one row) "
-                      "and spot checks of sessions up to this batch x max_length fit"),
+        metadata=_opt("most tokens (batch x length) of one rpc_forward/rpc_backward (at least one row of "
+                      "--max-session-length), which bounds its frame before it is read and its compute; clients' "
+                      "training chunks (4 MiB of hidden states, or one row) and spot checks of sessions up to this "
+                      "batch x max_length fit"),
     )
     max_probe_bytes: int = field(
         default=4 << 20,

@@ -15,7 +15,13 @@ Nothing a client does holds a stream, its task or its memory for long: a stream 
 `first_message_timeout`, an open session must send its next frame within the session timeout, and a client that
 stops reading has its stream aborted once a frame could not be written within the session timeout (it would
 otherwise keep its session, its cache reservation and the unsent bytes forever). A session's frames are limited
-to what a step of that session can hold, so its memory follows its cache reservation.
+to what a step of that session can hold, so its memory follows its cache reservation; every other RPC's first frame
+is bounded before it is read too (a forward's or backward's by the tokens one call may carry, a probe's by
+max_probe_bytes).
+
+No peer holds more than its per-peer limits of a server (server.peer_limits: streams, forward/backward calls in
+flight, probes; server.sessions: sessions; server.cache_queue: its share of the cache); past one, it gets an error
+on that stream alone.
 """
 
 from __future__ import annotations
@@ -131,11 +137,12 @@ class ConnectionHandler:
         self.pushes = PushPool(p2p, self.config.step_timeout)
         for verb, handler in self._handlers().items():
             await p2p.add_binary_stream_handler(rpc_handler_name(verb), self.peer_limits.guard(
-                _stream_adapter(handler, verb, self.metrics, authorize=self.authorize), verb, write_frame))
+                _stream_adapter(handler, verb, self.metrics, authorize=self.authorize), verb, write_frame,
+                self.metrics.observe_error))
             for version in LEGACY_VERSIONS:
                 await p2p.add_binary_stream_handler(rpc_handler_name(verb, version), self.peer_limits.guard(
                     _legacy_stream(version, verb, self.metrics, self.first_message_timeout, self.authorize), verb,
-                    _legacy_reply(version)))
+                    _legacy_reply(version), self.metrics.observe_error))
 
     async def unregister(self, p2p) -> None:
         """Stop accepting new streams (the server is moving to other blocks); open sessions are ended elsewhere."""

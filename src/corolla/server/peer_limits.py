@@ -62,11 +62,12 @@ class PeerLimits:
         self._probe_slots: dict[str, _Slots] = {}
 
     # ------------------------------------------------------------------ streams
-    def guard(self, on_stream: Callable[..., Awaitable[None]], verb: str,
-              reply_with: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    def guard(self, on_stream: Callable[..., Awaitable[None]], verb: str, reply_with: Callable[..., Awaitable[None]],
+              observe: Callable[[str, str], None] | None = None) -> Callable[..., Awaitable[None]]:
         """Wrap a stream handler `on_stream(stream_info, reader, writer)` so that each peer has at most `max_streams`
-        streams in it at once: one more is answered with a PEER_LIMIT error (written by `reply_with`) and closed
-        within REFUSAL_LINGER; while `max_streams` of its refusals are still being answered, dropped unanswered."""
+        streams in it at once: one more is answered with a PEER_LIMIT error (written by `reply_with`, and told to
+        observe(verb, code), e.g. ServerMetrics.observe_error) and closed within REFUSAL_LINGER; while `max_streams`
+        of its refusals are still being answered, dropped unanswered."""
 
         async def counted(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = stream_info.peer_id.to_base58()
@@ -75,6 +76,8 @@ class PeerLimits:
                     abort_stream(writer)
                     return
                 logger.info("stream refused peer=%s verb=%s: %d streams open", peer, verb, self.streams[peer])
+                if observe is not None:
+                    observe(verb, ErrorCode.PEER_LIMIT.value)
                 self.refusing[peer] += 1
                 try:
                     await _refuse(reader, writer, reply_with, f"per-peer limit: your peer has {self.streams[peer]} "

@@ -38,7 +38,8 @@ def bad_request(problem: str | None) -> None:
 
 class RequestChecks:
     """The checks of one server: its blocks [start, end), its hidden size, its adapters, its session limit (tokens
-    of one session) and its pass limit (tokens, batch x length, of one forward or backward)."""
+    of one session) and its pass limit (tokens, batch x length, of one forward or backward; at least one row of
+    the session limit)."""
 
     def __init__(self, start: int, end: int, hidden_size: int, adapters: AdapterCalls, max_session_length: int,
                  max_pass_tokens: int):
@@ -47,7 +48,7 @@ class RequestChecks:
         self.hidden_size = hidden_size
         self.adapters = adapters
         self.max_session_length = max_session_length
-        self.max_pass_tokens = max_pass_tokens
+        self.max_pass_tokens = max(max_pass_tokens, max_session_length)  # one row of a whole session always fits
 
     # ------------------------------------------------------------------ requests
     def version(self, version: int) -> None:
