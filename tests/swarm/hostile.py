@@ -170,9 +170,17 @@ class ServerWatch:
         return {fd: target for fd, target in fd_targets(pid).items() if self.baseline[name].get(fd) != target}
 
     def wait_settled(self, timeout: float) -> dict[str, str]:
-        """Wait up to `timeout` seconds for every server to hold nothing; returns what is still held (empty: all clear)."""
-        wait_until(lambda: not self.settled(), timeout=timeout, interval=0.5)
-        return self.settled()
+        """Wait up to `timeout` seconds for every server to hold nothing; returns what is still held (empty: all clear).
+        The answer is the last check's: checking once more could catch a stream open for a moment (a client's ping)."""
+        problems: dict[str, str] = {}
+
+        def clear() -> bool:
+            nonlocal problems
+            problems = self.settled()
+            return not problems
+
+        wait_until(clear, timeout=timeout, interval=0.5)
+        return problems
 
 
 def log_problems(log_text: str) -> list[str]:

@@ -81,13 +81,16 @@ class RawStream:
         self.last_write = time.monotonic()  # when we last sent something (or opened the stream)
         self.answers = 0  # answers read (or waited for)
         self.last_payload = b""  # the last answer's payload, for decode_frame
+        self.verb = ""  # the RPC it was opened to (`open`)
 
     @classmethod
     async def open(cls, p2p: P2P, peer: str, verb: str, version: int = PROTOCOL_VERSION, timeout: float = 30.0
                    ) -> RawStream:
         _, reader, writer = await asyncio.wait_for(
             p2p.call_binary_stream_handler(PeerID.from_base58(peer), rpc_handler_name(verb, version)), timeout)
-        return cls(reader, writer)
+        stream = cls(reader, writer)
+        stream.verb = verb
+        return stream
 
     async def write(self, data: bytes) -> None:
         self.writer.write(data)

@@ -347,7 +347,7 @@ class InfoReply(_Message):
     kind: Literal["info_reply"] = "info_reply"
     peer_id: str
     info: ServerInfo
-    model: str
+    model: str  # the model's public name: a hub repo id, or a local checkpoint's directory name (never a local path)
     dht_prefix: str
     hidden_size: int
     active_sessions: int
@@ -386,6 +386,7 @@ class ErrorCode(StrEnum):
     TIMEOUT = "timeout"  # session idle for too long, or a step took too long
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
+    PEER_LIMIT = "peer_limit"  # this peer is past one of the server's per-peer limits (streams, probes): try later
 
 
 class ErrorReply(_Message):

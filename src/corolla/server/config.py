@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -94,6 +95,53 @@ class ServerConfig:
     )
     max_session_length: int = field(default=8192, metadata=_opt("longest max_length a session may reserve, tokens"))
     max_alloc_timeout: float = field(default=60.0, metadata=_opt("cap on a client's cache-allocation wait, seconds"))
+    cache_queue_patience: float = field(
+        default=5.0,
+        metadata=_opt("a session waiting for cache is overtaken by later ones that fit for this long at most; after "
+                      "that, nothing that came after it gets cache before it (no starvation of large sessions), "
+                      "seconds"),
+    )
+    # per-peer limits (server.peer_limits): what one peer id may hold of this server at once
+    max_peer_cache_share: float = field(
+        default=1.0,
+        metadata=_opt("most of the KV-cache budget one peer may hold and wait for, as a fraction (0.5 = half); a "
+                      "session past it is refused at once with server_full. 1.0 lets one client (e.g. one `corolla "
+                      "api` serving many users) fill the server; public servers may want 0.5"),
+    )
+    max_peer_sessions: int = field(
+        default=384,
+        metadata=_opt("most inference sessions one peer may have open or waiting for cache (`corolla api` keeps up "
+                      "to its --max-streams 256 generating plus its kept ones); more are refused with server_full"),
+    )
+    max_peer_streams: int = field(
+        default=512,
+        metadata=_opt("most streams of any RPC one peer may have open at once (each holds a socket of this "
+                      "process); more are refused at once with peer_limit"),
+    )
+    max_peer_passes: int = field(
+        default=4,
+        metadata=_opt("most rpc_forward/rpc_backward calls of one peer read and run at once; its further calls wait "
+                      "their turn, unread, so one peer cannot fill the compute queue or the memory"),
+    )
+    max_pass_tokens: int = field(
+        default=32768,
+        metadata=_opt("most tokens (batch x length) of one rpc_forward/rpc_backward (at least one row of "
+                      "--max-session-length), which bounds its frame before it is read and its compute; clients' "
+                      "training chunks (4 MiB of hidden states, or one row) and spot checks of sessions up to this "
+                      "batch x max_length fit"),
+    )
+    max_probe_bytes: int = field(
+        default=4 << 20,
+        metadata=_opt("largest bandwidth probe (rpc_probe) payload this server takes or sends back, bytes; other "
+                      "servers measure with 4 MiB"),
+    )
+    max_probes: int = field(
+        default=4, metadata=_opt("most bandwidth probes answered at once, over all peers (one per peer at a time)")
+    )
+    probe_stall_timeout: float = field(
+        default=5.0,
+        metadata=_opt("a probe reply's reader that takes none of it for this long has its stream dropped, seconds"),
+    )
     step_timeout: float = field(default=300.0, metadata=_opt("longest one inference step may compute, seconds"))
     session_timeout: float = field(default=600.0, metadata=_opt("idle time after which a session is closed, seconds"))
     announce_period: float = field(default=30.0, metadata=_opt("how often the DHT record is refreshed, seconds"))
@@ -141,3 +189,22 @@ class ServerConfig:
             choices=("fail", "drop", "stall", "corrupt", "corrupt-push", "lie-to-checkers", "nan", "false-quant"),
         ),
     )
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.max_peer_cache_share <= 1.0:
+            raise ValueError(f"max_peer_cache_share must be within (0, 1], got {self.max_peer_cache_share!r}")
+        for name in ("max_peer_sessions", "max_peer_streams", "max_peer_passes", "max_pass_tokens", "max_probe_bytes",
+                     "max_probes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
+        if self.cache_queue_patience < 0 or self.probe_stall_timeout <= 0:
+            raise ValueError("cache_queue_patience must be >= 0 and probe_stall_timeout > 0")
+
+
+def public_model_name(model: str) -> str:
+    """The model as a server names it to other peers (InfoReply.model): a hub repo id as given, a local checkpoint by
+    its directory's name only, never its path on this machine ("/data/ckpt/tiny-llama/" -> "tiny-llama")."""
+    local = os.path.isabs(model) or model.startswith((".", "~")) or os.path.exists(model) or "\\" in model
+    if not local and model.count("/") <= 1:
+        return model
+    return os.path.basename(os.path.normpath(os.path.expanduser(model))) or "model"

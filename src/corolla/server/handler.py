@@ -15,7 +15,13 @@ Nothing a client does holds a stream, its task or its memory for long: a stream 
 `first_message_timeout`, an open session must send its next frame within the session timeout, and a client that
 stops reading has its stream aborted once a frame could not be written within the session timeout (it would
 otherwise keep its session, its cache reservation and the unsent bytes forever). A session's frames are limited
-to what a step of that session can hold, so its memory follows its cache reservation.
+to what a step of that session can hold, so its memory follows its cache reservation; every other RPC's first frame
+is bounded before it is read too (a forward's or backward's by the tokens one call may carry, a probe's by
+max_probe_bytes).
+
+No peer holds more than its per-peer limits of a server (server.peer_limits: streams, forward/backward calls in
+flight, probes; server.sessions: sessions; server.cache_queue: its share of the cache); past one, it gets an error
+on that stream alone.
 """
 
 from __future__ import annotations
@@ -36,7 +42,6 @@ from corolla.protocol.signing import PeerKey
 from corolla.protocol.framing import DTYPE_NAMES, MAX_FRAME_BYTES, abort_stream, read_frame, version_mismatch, write_frame
 from corolla.protocol.messages import (
     ComputeKind,
-    MAX_PROBE_BYTES,
     BackwardRequest,
     BackwardResult,
     CloseSession,
@@ -49,7 +54,6 @@ from corolla.protocol.messages import (
     InfoRequest,
     Message,
     OpenSession,
-    ProbeReply,
     ProbeRequest,
     PushRefused,
     PushSet,
@@ -66,6 +70,8 @@ from corolla.server.config import ServerConfig
 from corolla.server.emulation import Emulator
 from corolla.server.faults import FaultInjector, Hangup
 from corolla.server.metrics import ServerMetrics
+from corolla.server.network import send_probe_reply
+from corolla.server.peer_limits import PeerLimits
 from corolla.server.planner import PlanLimits, plan
 from corolla.server.push import LiveSession, PushLinks, PushPool, outgoing_push, push_receipt_problem
 from corolla.server.scheduling import Compute, Scheduler
@@ -77,6 +83,7 @@ logger = logging.getLogger(__name__)
 FIRST_MESSAGE_TIMEOUT = 30.0  # seconds a new stream may take to say what it wants
 UNAUTHORIZED_PUSH_FRAME = 1 << 16  # bytes of a push frame from a peer no open session accepts pushes from
 _M = TypeVar("_M", bound=Message)
+_T = TypeVar("_T")
 LINGER_TIMEOUT = 5.0  # seconds a finished stream waits for the client to close its end before closing ours
 
 
@@ -102,10 +109,12 @@ class ConnectionHandler:
         self.authorize = authorize  # private swarms: whether a peer id may use this server (None: anybody)
         self.shutting_down = False
         self.adapters = AdapterCalls(config.adapters)  # compute functions run with a request's LoRA adapter
-        self.checks = RequestChecks(stack.start, stack.end, stack.hidden_size, self.adapters, config.max_session_length)
+        self.checks = RequestChecks(stack.start, stack.end, stack.hidden_size, self.adapters, config.max_session_length,
+                                    config.max_pass_tokens)
+        self.peer_limits = PeerLimits(config.max_peer_streams, config.max_peer_passes, config.max_probes)
         # nf4 blocks are slow enough per token that only decode steps are merged
         self.limits = PlanLimits(1 if config.quant == "nf4" else config.merge_max_tokens, stack.max_chunk_tokens)
-        self.table = SessionTable(stack, allocator, worker, config.max_alloc_timeout)
+        self.table = SessionTable(stack, allocator, worker, config.max_alloc_timeout, config.max_peer_sessions)
         self.emulator = Emulator(stack.blocks, stack.start, ComputeKind(dtype=DTYPE_NAMES[stack.dtype], quant=config.quant),
                                  stack.device, enabled=not config.adapters and not config.tensor_parallel_devices)
         scheduler = Scheduler(stack, worker, self.adapters, config.step_timeout, self.emulator)
@@ -137,12 +146,13 @@ class ConnectionHandler:
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
         self.pushes = PushPool(p2p, self.config.step_timeout)
         for verb, handler in self._handlers().items():
-            await p2p.add_binary_stream_handler(
-                rpc_handler_name(verb), _stream_adapter(handler, verb, self.metrics, authorize=self.authorize))
+            await p2p.add_binary_stream_handler(rpc_handler_name(verb), self.peer_limits.guard(
+                _stream_adapter(handler, verb, self.metrics, authorize=self.authorize), verb, write_frame,
+                self.metrics.observe_error))
             for version in LEGACY_VERSIONS:
-                await p2p.add_binary_stream_handler(
-                    rpc_handler_name(verb, version),
-                    _legacy_stream(version, verb, self.metrics, self.first_message_timeout, self.authorize))
+                await p2p.add_binary_stream_handler(rpc_handler_name(verb, version), self.peer_limits.guard(
+                    _legacy_stream(version, verb, self.metrics, self.first_message_timeout, self.authorize), verb,
+                    _legacy_reply(version), self.metrics.observe_error))
 
     async def unregister(self, p2p) -> None:
         """Stop accepting new streams (the server is moving to other blocks); open sessions are ended elsewhere."""
@@ -166,38 +176,56 @@ class ConnectionHandler:
         await self._send(writer, self.describe())
 
     async def rpc_probe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        """Another server measuring its bandwidth: take its payload, send back the bytes it asks for."""
-        request, _ = await self._read_first(reader, ProbeRequest, max_bytes=MAX_PROBE_BYTES + (1 << 16))
-        await self._send(writer, ProbeReply(), {"payload": torch.zeros(request.reply_bytes // 4, dtype=torch.int32)})
+        """Another server measuring its bandwidth: take its payload, send back the bytes it asks for (both at most
+        max_probe_bytes; one probe per peer at a time, max_probes in all; the reply streamed, never held whole)."""
+        limit = self.config.max_probe_bytes
+        async with self.peer_limits.probe(peer):
+            request, _ = await self._read_first(reader, ProbeRequest, max_bytes=limit + (1 << 16))
+            if request.reply_bytes > limit:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"a probe reply of {request.reply_bytes} bytes exceeds this "
+                                                          f"server's limit of {limit} bytes")
+            await send_probe_reply(writer, request.reply_bytes, self.config.probe_stall_timeout)
 
     # ------------------------------------------------------------------ rpc_forward, rpc_backward
+    # Each call takes one of its peer's pass slots (server.peer_limits) before its frame is read, bounded by what
+    # max_pass_tokens allows; its compute may take step_timeout at most.
     async def rpc_forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        request, tensors = await self._read_first(reader, ForwardRequest)
-        self.checks.stateless(request)
-        hidden, mask, prompts = self.checks.forward(request, tensors)
-        blocks = request.blocks
-        if request.emulate is not None:
-            bad_request(self.emulator.problem(request.emulate) or (
-                "a forward computed as another kind of server takes no adapter, mask or deep prompts"
-                if request.emulate != self.emulator.own and (request.active_adapter or mask is not None or prompts is not None)
-                else None))
-        output = await self.compute.forward(hidden, blocks.start, blocks.end, request.active_adapter, prompts, mask,
-                                            request.emulate)
-        await self._send(writer, ForwardResult(), {"hidden": output.to(hidden.dtype)}, request.codec)
+        async with self.peer_limits.pass_slot(peer, self.config.session_timeout):
+            request, tensors = await self._read_first(reader, ForwardRequest, self.checks.pass_frame_limit(backward=False))
+            self.checks.stateless(request)
+            hidden, mask, prompts = self.checks.forward(request, tensors)
+            blocks = request.blocks
+            if request.emulate is not None:
+                bad_request(self.emulator.problem(request.emulate) or (
+                    "a forward computed as another kind of server takes no adapter, mask or deep prompts"
+                    if request.emulate != self.emulator.own and (request.active_adapter or mask is not None
+                                                                 or prompts is not None) else None))
+            output = await self._timed(self.compute.forward(hidden, blocks.start, blocks.end, request.active_adapter,
+                                                            prompts, mask, request.emulate))
+            await self._send(writer, ForwardResult(), {"hidden": output.to(hidden.dtype)}, request.codec)
 
     async def rpc_backward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         """hidden, grad_output (and an attention mask and deep prompts, as rpc_forward takes them) ->
         grad_hidden (and grad_prompts)."""
-        request, tensors = await self._read_first(reader, BackwardRequest)
-        self.checks.stateless(request)
-        hidden, grad_output, mask, prompts = self.checks.backward(request, tensors)
-        blocks = request.blocks
-        grad_hidden, grad_prompts = await self.compute.backward(
-            hidden, grad_output, blocks.start, blocks.end, request.active_adapter, prompts, mask)
-        grads = {"grad_hidden": grad_hidden.to(hidden.dtype)}
-        if grad_prompts is not None and prompts is not None:
-            grads["grad_prompts"] = grad_prompts.to(prompts.dtype)
-        await self._send(writer, BackwardResult(), grads, request.codec)
+        async with self.peer_limits.pass_slot(peer, self.config.session_timeout):
+            request, tensors = await self._read_first(reader, BackwardRequest, self.checks.pass_frame_limit(backward=True))
+            self.checks.stateless(request)
+            hidden, grad_output, mask, prompts = self.checks.backward(request, tensors)
+            blocks = request.blocks
+            grad_hidden, grad_prompts = await self._timed(self.compute.backward(
+                hidden, grad_output, blocks.start, blocks.end, request.active_adapter, prompts, mask))
+            grads = {"grad_hidden": grad_hidden.to(hidden.dtype)}
+            if grad_prompts is not None and prompts is not None:
+                grads["grad_prompts"] = grad_prompts.to(prompts.dtype)
+            await self._send(writer, BackwardResult(), grads, request.codec)
+
+    async def _timed(self, compute: Awaitable[_T]) -> _T:
+        """`compute` (a forward or backward), abandoned with TIMEOUT after step_timeout seconds (a pass still queued
+        is then never run)."""
+        try:
+            return await asyncio.wait_for(compute, self.config.step_timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(ErrorCode.TIMEOUT, f"the pass took more than {self.config.step_timeout:.0f}s") from None
 
     # ------------------------------------------------------------------ rpc_inference
     async def rpc_inference(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
@@ -422,11 +450,17 @@ def _legacy_stream(version: int, verb: str, metrics: ServerMetrics, timeout: flo
         await asyncio.wait_for(discard_frame(reader), timeout)
         raise RequestError(ErrorCode.BAD_REQUEST, version_mismatch(version))
 
+    return _stream_adapter(refuse, verb, metrics, _legacy_reply(version), authorize)
+
+
+def _legacy_reply(version: int) -> ReplyWriter:
+    """Writes an error in the frame format of protocol `version`'s peers (protocol.compat)."""
+
     async def reply_with(writer: asyncio.StreamWriter, error: ErrorReply) -> None:
         writer.write(legacy_error_frame(version, error.message))
         await writer.drain()
 
-    return _stream_adapter(refuse, verb, metrics, reply_with, authorize)
+    return reply_with
 
 
 async def _await_peer_close(reader: asyncio.StreamReader) -> None:

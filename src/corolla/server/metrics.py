@@ -53,7 +53,7 @@ class ServerMetrics:
         self.cache_free = Gauge("corolla_server_cache_tokens_free", "KV-cache tokens free", registry=r)
         self.cache_total = Gauge("corolla_server_cache_tokens_total", "KV-cache budget in tokens", registry=r)
         self.reservations = Counter(
-            "corolla_server_cache_reservations", "KV-cache reservations by outcome (granted, timeout, too_large)",
+            "corolla_server_cache_reservations", "KV-cache reservations by outcome (granted, timeout, too_large, refused)",
             ["result"], registry=r,
         )
         self.cache_wait = Histogram(
@@ -98,7 +98,8 @@ class ServerMetrics:
             histogram.observe(seconds)
 
     def observe_reservation(self, result: str, waited: float) -> None:
-        """Cache allocator, after a reservation ended: result granted | timeout | too_large, after `waited` seconds."""
+        """Cache allocator, after a reservation ended: result granted | timeout | too_large | refused (could never be
+        granted while its peer holds what it holds), after `waited` seconds."""
         self.reservations.labels(result).inc()
         if result == "granted":
             self.cache_wait.observe(waited)

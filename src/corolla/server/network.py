@@ -10,6 +10,11 @@ speed test to ask here; instead the server times payloads to and from a few serv
 
 Each direction takes the best of `repeats` tries (noise only ever slows a transfer down), and the result is
 the median over the peers measured.
+
+The answering side (`send_probe_reply`) never builds the reply in memory: it writes the frame's header, then zeros
+from one shared buffer, PROBE_CHUNK_BYTES at a time, and drops the stream as soon as its reader takes nothing for a
+few seconds. (Building it held up to 64 MiB per probe, twice, until the session timeout: 8 probes of 75 bytes each
+took a server from 371 to 1,906 MiB.) How many probes run at once, and how large, is the handler's to bound.
 """
 
 from __future__ import annotations
@@ -20,16 +25,19 @@ import statistics
 import time
 from typing import Sequence
 
+import msgpack
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from corolla.protocol import rpc_handler_name
-from corolla.protocol.framing import read_frame, write_frame
+from corolla.protocol import PROTOCOL_VERSION, rpc_handler_name
+from corolla.protocol.framing import HEADER_LEN_BYTES, LEN_BYTES, abort_stream, read_frame, write_frame
 from corolla.protocol.messages import MAX_PROBE_BYTES, ProbeReply, ProbeRequest
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PAYLOAD_BYTES = 4 << 20
+DEFAULT_PAYLOAD_BYTES = 4 << 20  # what servers measure with (ServerConfig.max_probe_bytes must allow it)
+PROBE_CHUNK_BYTES = 256 << 10  # a probe reply is written this many bytes at a time
+_ZEROS = memoryview(bytes(PROBE_CHUNK_BYTES))  # the payload of every probe reply, shared
 
 
 async def probe_once(p2p: P2P, peer_id: str, send_bytes: int, reply_bytes: int, timeout: float) -> float:
@@ -46,6 +54,35 @@ async def probe_once(p2p: P2P, peer_id: str, send_bytes: int, reply_bytes: int, 
     if not isinstance(reply, ProbeReply) or tensors["payload"].numel() != reply_bytes // 4:
         raise ConnectionError(f"peer {peer_id} answered a probe with {reply.kind}")
     return elapsed
+
+
+def probe_reply_head(elements: int) -> bytes:
+    """The bytes of a ProbeReply frame (protocol.framing) that come before its payload of `elements` int32 zeros:
+    the frame's length prefix, its header's length and its header."""
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "msg": ProbeReply().model_dump(mode="json"),
+                            "tensors": [["payload", "int32", [elements]]]})
+    length = HEADER_LEN_BYTES + len(header) + 4 * elements
+    return length.to_bytes(LEN_BYTES, "big") + len(header).to_bytes(HEADER_LEN_BYTES, "big") + header
+
+
+async def send_probe_reply(writer: asyncio.StreamWriter, reply_bytes: int, stall_timeout: float) -> None:
+    """Answer a probe with `reply_bytes` (rounded down to whole int32) of zeros, PROBE_CHUNK_BYTES at a time, holding
+    no more than a chunk of it. A reader that takes none of a chunk within `stall_timeout` seconds has its stream
+    aborted: raises ConnectionAbortedError."""
+    elements = reply_bytes // 4
+    writer.write(probe_reply_head(elements))
+    left = 4 * elements
+    while True:
+        try:
+            await asyncio.wait_for(writer.drain(), stall_timeout)
+        except asyncio.TimeoutError:
+            abort_stream(writer)
+            raise ConnectionAbortedError(f"the probe's reader took nothing for {stall_timeout:.0f}s") from None
+        if not left:
+            return
+        chunk = min(left, PROBE_CHUNK_BYTES)
+        writer.write(_ZEROS[:chunk])
+        left -= chunk
 
 
 async def measure_peer(p2p: P2P, peer_id: str, payload_bytes: int = DEFAULT_PAYLOAD_BYTES, repeats: int = 3,

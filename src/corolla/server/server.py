@@ -30,7 +30,7 @@ from corolla.server.block_loading import default_cache_tokens, default_num_block
 from corolla.server.block_selection import choose_best_blocks, parse_block_range, should_move
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
-from corolla.server.config import ServerConfig
+from corolla.server.config import ServerConfig, public_model_name
 from corolla.server.dtype_choice import checkpoint_dtype_name, resolve_dtype
 from corolla.server.faults import announced_quant
 from corolla.server.handler import ConnectionHandler
@@ -121,7 +121,7 @@ class Server:
         return InfoReply(
             peer_id=self.node.peer_id,
             info=self.server_info(),
-            model=self.config.model,
+            model=public_model_name(self.config.model),  # never this machine's checkpoint path
             dht_prefix=self.prefix,
             hidden_size=self.model_config.hidden_size,
             active_sessions=len(self.handler.sessions),
@@ -191,7 +191,8 @@ class Server:
         self.state = ServerState.JOINING
         await announcer.announce()  # others see the blocks are being taken
         self.stack = await asyncio.get_running_loop().run_in_executor(None, self._load_blocks)
-        self.allocator = CacheAllocator(self._cache_tokens(), self.metrics)
+        self.allocator = CacheAllocator(self._cache_tokens(), self.metrics, self.config.cache_queue_patience,
+                                        self.config.max_peer_cache_share)
         if not self.throughput:
             compute = await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
             network = await self._measure_network()

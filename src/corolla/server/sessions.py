@@ -2,10 +2,13 @@
 
 A session reserves the cache tokens its blocks really take when it opens (`BlockStack.cache_tokens`: batch_size x
 max_length over every hosted block, less over fewer blocks or with sliding-window rings), waiting in the allocator's
-FIFO queue up to the client's alloc_timeout, capped by the server's; then it gets a zeroed `SessionKV` over its
-blocks. Whatever
-ends the session (a close message, an error, a disconnect, a timeout, the server shutting down), leaving
-`SessionTable.open` releases both.
+queue (server.cache_queue: first fit, with an aging bound) up to the client's alloc_timeout, capped by the server's;
+then it gets a zeroed `SessionKV` over its blocks. Whatever ends the session (a close message, an error, a
+disconnect, a timeout, the server shutting down), leaving `SessionTable.open` releases both.
+
+One peer may have at most `max_peer_sessions` sessions open or waiting for cache, past which a new one is refused at
+once with SERVER_FULL naming the limit (clients route around a full server, and `corolla api` gives up the sessions
+it keeps); what share of the cache one peer may hold is the allocator's (server.cache_queue).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -54,22 +58,43 @@ class ServerSession:
 class SessionTable:
     """The sessions this server holds, each owned by the task serving its stream (`tasks`, for shutdown)."""
 
-    def __init__(self, stack: BlockStack, allocator: CacheAllocator, worker: ComputeWorker, max_alloc_timeout: float):
+    def __init__(self, stack: BlockStack, allocator: CacheAllocator, worker: ComputeWorker, max_alloc_timeout: float,
+                 max_peer_sessions: int = 384):
         self.stack = stack
         self.allocator = allocator
         self.worker = worker
         self.max_alloc_timeout = max_alloc_timeout
+        self.max_peer_sessions = max_peer_sessions
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.by_peer: Counter[str] = Counter()  # sessions open or waiting for cache, per peer (only peers with some)
 
     @asynccontextmanager
     async def open(self, request: OpenSession, peer: str) -> AsyncIterator[ServerSession]:
         """Reserve and allocate a checked OpenSession's cache; yields the session, releases everything on exit.
 
-        Raises RequestError(SERVER_FULL) if the tokens cannot be reserved within the allocation timeout."""
+        Raises RequestError(SERVER_FULL) if `peer` has max_peer_sessions sessions here already, if the tokens could
+        never be reserved (CacheAllocator.refusal), or if they cannot be reserved within the allocation timeout."""
+        if self.by_peer[peer] >= self.max_peer_sessions:
+            raise RequestError(ErrorCode.SERVER_FULL, f"server full for your peer: per-peer limit of "
+                                                      f"{self.max_peer_sessions} sessions open here reached")
+        self.by_peer[peer] += 1
+        try:
+            async with self._open(request, peer) as session:
+                yield session
+        finally:
+            self.by_peer[peer] -= 1
+            if not self.by_peer[peer]:
+                del self.by_peer[peer]
+
+    @asynccontextmanager
+    async def _open(self, request: OpenSession, peer: str) -> AsyncIterator[ServerSession]:
         session_id = uuid.uuid4().hex
         tokens = self.stack.cache_tokens(request.batch_size, request.max_length, request.blocks.start, request.blocks.end)
         timeout = min(request.alloc_timeout, self.max_alloc_timeout)
-        if not await self.allocator.reserve(session_id, tokens, timeout):
+        problem = self.allocator.refusal(tokens)
+        if problem is not None:
+            raise RequestError(ErrorCode.SERVER_FULL, f"server full: {problem}")
+        if not await self.allocator.reserve(session_id, tokens, timeout, peer):
             budget = self.allocator.budget
             raise RequestError(
                 ErrorCode.SERVER_FULL,

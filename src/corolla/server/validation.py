@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.framing import HEADER_LEN_BYTES, MAX_HEADER_BYTES, version_mismatch
+from corolla.protocol.framing import HEADER_LEN_BYTES, MAX_FRAME_BYTES, MAX_HEADER_BYTES, version_mismatch
 from corolla.protocol.messages import BackwardRequest, BlockRange, ErrorCode, ForwardRequest, InferenceStep, OpenSession
 from corolla.server.adapters import AdapterCalls
 from corolla.server.backward import FLOAT_DTYPES, check_grad_output, check_prompts
@@ -37,14 +37,18 @@ def bad_request(problem: str | None) -> None:
 
 
 class RequestChecks:
-    """The checks of one server: its blocks [start, end), its hidden size, its adapters and session limit."""
+    """The checks of one server: its blocks [start, end), its hidden size, its adapters, its session limit (tokens
+    of one session) and its pass limit (tokens, batch x length, of one forward or backward; at least one row of
+    the session limit)."""
 
-    def __init__(self, start: int, end: int, hidden_size: int, adapters: AdapterCalls, max_session_length: int):
+    def __init__(self, start: int, end: int, hidden_size: int, adapters: AdapterCalls, max_session_length: int,
+                 max_pass_tokens: int):
         self.start = start
         self.end = end
         self.hidden_size = hidden_size
         self.adapters = adapters
         self.max_session_length = max_session_length
+        self.max_pass_tokens = max(max_pass_tokens, max_session_length)  # one row of a whole session always fits
 
     # ------------------------------------------------------------------ requests
     def version(self, version: int) -> None:
@@ -84,17 +88,34 @@ class RequestChecks:
         floats = (batch_size + num_blocks) * max_length * self.hidden_size * 4
         return floats + batch_size * max_length * 8 + HEADER_LEN_BYTES + MAX_HEADER_BYTES
 
+    def pass_frame_limit(self, backward: bool) -> int:
+        """The most bytes the frame of a forward (or, with `backward`, a backward) may take: its hidden states (and
+        grad_output) of max_pass_tokens tokens and its deep prompts (hosted blocks, up to one row's length, H) in
+        float32, its attention mask in int64, and a header; at most the wire's MAX_FRAME_BYTES. Checked before the
+        frame is read, so what one call can make the server hold follows the pass limit."""
+        tokens, prompt_positions = self.max_pass_tokens, min(self.max_session_length, self.max_pass_tokens)
+        floats = ((2 if backward else 1) * tokens + (self.end - self.start) * prompt_positions) * self.hidden_size * 4
+        return min(MAX_FRAME_BYTES, floats + tokens * 8 + HEADER_LEN_BYTES + MAX_HEADER_BYTES)
+
     # ------------------------------------------------------------------ tensors
     def sequence(self, hidden: Tensor) -> Tensor:
-        """Hidden states of a forward or backward pass, (B, T, H) with T at most the server's session limit: its
-        attention costs T x T, so one longer request would hold the compute thread for minutes."""
-        self.hidden(hidden)
-        if hidden.shape[1] > self.max_session_length:
-            raise RequestError(
-                ErrorCode.BAD_REQUEST,
-                f"a pass over {hidden.shape[1]} tokens exceeds this server's limit of {self.max_session_length} tokens",
-            )
-        return hidden
+        """Hidden states of a forward or backward pass, (B, T, H) with T at most the server's session limit (its
+        attention costs T x T, so one longer request would hold the compute thread for minutes) and B x T at most
+        its pass limit (the compute and memory of one call). Sizes are checked before the values are."""
+        if hidden.ndim == 3:
+            batch, length = hidden.shape[0], hidden.shape[1]
+            if length > self.max_session_length:
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"a pass over {length} tokens exceeds this server's limit of {self.max_session_length} tokens",
+                )
+            if batch * length > self.max_pass_tokens:
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"a pass over {batch} x {length} = {batch * length} tokens exceeds this server's limit of "
+                    f"{self.max_pass_tokens} tokens (batch x length) per forward or backward; send fewer rows per call",
+                )
+        return self.hidden(hidden)
 
     def hidden(self, hidden: Tensor, batch_size: int | None = None) -> Tensor:
         """Hidden states (B, T, hidden_size), finite float, non-empty; B = batch_size if given."""
