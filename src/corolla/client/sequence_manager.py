@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 # Server errors that a different server may not have; anything else (bad_request, session_full) is the caller's.
 RETRYABLE_CODES = {
     ErrorCode.TIMEOUT.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.INTERNAL.value, ErrorCode.SERVER_FULL.value,
-    ErrorCode.NOT_SERVED.value,
+    ErrorCode.NOT_SERVED.value, ErrorCode.PEER_LIMIT.value,  # a server past its per-peer limits: another one may not be
 }
 
 
