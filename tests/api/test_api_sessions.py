@@ -37,7 +37,7 @@ def test_put_beyond_the_count_gives_up_the_oldest_and_zero_keeps_nothing():
     assert pool.put("a", [1], 10, now=0) == []
     assert pool.put("b", [2], 10, now=1) == []
     assert pool.put("c", [3], 10, now=2) == ["a"]
-    assert pool.pop_oldest() == "b" and pool.drain() == ["c"] and pool.pop_oldest() is None
+    assert pool.give_up_one() == "b" and pool.drain() == ["c"] and pool.give_up_one() is None
     none: IdleSessions[str] = IdleSessions(max_count=0, ttl=60, min_reuse=1)
     assert none.put("x", [1], 10, now=0) == ["x"] and len(none) == 0
 

@@ -16,8 +16,9 @@ from typing import Any, Sequence
 
 PROMPT_CONTEXT = 6  # prompt tokens the first window starts with
 
-# Fast tokenizers are not safe to use from several threads at once (encoding may change their truncation state):
-# the HTTP side encodes prompts while the engine's head thread decodes tokens, so every use takes this lock.
+# Fast tokenizers are not safe to use from several threads at once (encoding may change their truncation state).
+# The engine's tokenizer decodes generated tokens (here, on its head thread) and nothing else: the HTTP side encodes
+# prompts with a copy of its own (prompts.PromptBuilder), so a long prompt never holds this lock.
 TOKENIZER_LOCK = threading.Lock()
 
 
