@@ -122,9 +122,9 @@ class RequestGate:
                       headers: dict[str, str] | None = None) -> None:
         if self.on_refusal is not None:
             self.on_refusal(str(scope.get("path", "")), error.status)
-        response = JSONResponse(error.body(), status_code=error.status, headers=headers)
-        response.headers["connection"] = "close"  # the unread rest of a refused body is not read
-        await response(scope, receive, send)
+        # no "connection: close": the server then reads and drops the rest of a refused body (for its keep-alive
+        # timeout at most) instead of resetting the connection, which could lose the answer before the client reads it
+        await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
 
 
 def _headers(scope: Scope) -> dict[bytes, list[str]]:
