@@ -44,26 +44,27 @@ def async_keyed(api: ApiProcess, key: str) -> openai.AsyncOpenAI:
 def test_hostile_requests_beside_honest_streams_fail_alone_and_the_streams_equal_hf(api_swarm, reference):
     """Four greedy streams are generating, batched; then hostile requests arrive (a top_k past int64, which once
     broke the shared sampling pass and with it every stream of the batch, and other unbounded values). Each hostile
-    request gets its own 4xx; every honest stream still ends with the local HF model's exact text."""
+    request gets its own 4xx; every honest stream still ends with the local HF model's exact text. (On the API over
+    the small server, which keeps no sessions: the servers of the keyed tests below keep their room.)"""
     prompts = ["The server", "A file is opened by", "The manual page", "When the process"]
     expected = [reference.greedy(reference.tokenizer(p)["input_ids"], 40)[1] for p in prompts]
-    url = api_swarm.chat.url
+    api, model = api_swarm.plain, api_swarm.model_path
     hostile = [
-        {"model": CHAT, "prompt": "The", "max_tokens": 8, "top_k": 2**63},
-        {"model": CHAT, "prompt": "The", "max_tokens": 8, "top_k": 2**63, "stream": True},
-        {"model": CHAT, "prompt": "The", "max_tokens": 8, "seed": 2**64, "temperature": 1.0},
-        {"model": CHAT, "prompt": "The", "max_tokens": 8, "logit_bias": {"\u00b2": 5}},
-        {"model": CHAT, "prompt": "The", "max_tokens": 8, "logit_bias": {"1" * 5000: 5}},
-        {"model": CHAT, "prompt": "The", "max_tokens": 8, "stop": ["x" * 100_000]},
-        {"model": CHAT, "prompt": "word " * 1_000_000},
+        {"model": model, "prompt": "The", "max_tokens": 8, "top_k": 2**63},
+        {"model": model, "prompt": "The", "max_tokens": 8, "top_k": 2**63, "stream": True},
+        {"model": model, "prompt": "The", "max_tokens": 8, "seed": 2**64, "temperature": 1.0},
+        {"model": model, "prompt": "The", "max_tokens": 8, "logit_bias": {"\u00b2": 5}},
+        {"model": model, "prompt": "The", "max_tokens": 8, "logit_bias": {"1" * 5000: 5}},
+        {"model": model, "prompt": "The", "max_tokens": 8, "stop": ["x" * 100_000]},
+        {"model": model, "prompt": "word " * 1_000_000},
     ]
 
     async def scenario() -> tuple[list[str], list[int]]:
         started = [asyncio.Event() for _ in prompts]
-        ac = async_client(api_swarm.chat)
+        ac = async_client(api)
 
         async def honest(i: int) -> str:
-            stream = await ac.completions.create(model=CHAT, prompt=prompts[i], max_tokens=40, temperature=0,
+            stream = await ac.completions.create(model=model, prompt=prompts[i], max_tokens=40, temperature=0,
                                                  stream=True)
             text = ""
             async for chunk in stream:
@@ -73,7 +74,7 @@ def test_hostile_requests_beside_honest_streams_fail_alone_and_the_streams_equal
 
         async def attack(http: httpx.AsyncClient, body: dict) -> int:
             await asyncio.gather(*(e.wait() for e in started))  # every honest stream is generating now
-            return (await http.post(url + "/completions", json=body, timeout=120)).status_code
+            return (await http.post(api.url + "/completions", json=body, timeout=120)).status_code
 
         async with httpx.AsyncClient() as http:
             results = await asyncio.gather(*(honest(i) for i in range(len(prompts))),
