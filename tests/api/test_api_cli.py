@@ -59,6 +59,7 @@ def test_api_keys_file_errors_are_clear_and_come_before_any_network(tmp_path):
 def test_api_help_lists_the_multi_user_flags():
     run = subprocess.run([sys.executable, "-m", "corolla.cli.main", "api", "--help"], capture_output=True, text=True,
                          timeout=120)
-    for flag in ("--api-keys", "--insecure-no-auth", "--allowed-hosts", "--max-body-bytes", "--max-streams-per-key"):
+    for flag in ("--api-keys", "--insecure-no-auth", "--allowed-hosts", "--max-body-bytes", "--max-streams-per-key",
+                 "--public-metrics"):
         assert flag in run.stdout
     assert (ApiConfig.max_body_bytes, ApiConfig.max_streams_per_key, ApiConfig.allowed_hosts) == (4 * 1024 * 1024, 64, ())

@@ -27,10 +27,11 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(demo_model_path())
 
 
-def app(engine, base_url: str = "http://127.0.0.1:8000", keys: list[str] | None = None, **config) -> TestClient:
+def app(engine, base_url: str = "http://127.0.0.1:8000", keys: list[str] | None = None,
+        client: tuple[str, int] = ("127.0.0.1", 50000), **config) -> TestClient:
     built = build_app(engine, ApiConfig(model=str(demo_model_path()), model_name="m", **config),
                       ApiKeys(keys) if keys else None)
-    return TestClient(built, base_url=base_url)
+    return TestClient(built, base_url=base_url, client=client)
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -58,6 +59,19 @@ def test_with_keys_every_route_needs_a_valid_bearer_key_and_gets_openai_401s(tok
         assert client.post("/v1/completions", json=body, headers=bearer(key)).status_code == 200
     assert engine.owners == [key_id(KEYS[0]), key_id(KEYS[1])]  # the engine learns which key, never the key
     assert client.get("/metrics", headers={"authorization": f"bearer {KEYS[1]}"}).status_code == 200
+
+
+def test_with_keys_server_wide_metrics_are_for_loopback_clients_unless_made_public(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["ok"])
+    remote = app(engine, keys=KEYS, client=("192.0.2.7", 40000))
+    assert remote.post("/v1/completions", json={"model": "m", "prompt": "Hi"}, headers=bearer(KEYS[0])).status_code == 200
+    refused = remote.get("/metrics", headers=bearer(KEYS[1]))  # B would see A's requests and kept sessions
+    assert refused.status_code == 403 and "corolla_api" not in refused.text
+    assert refused.json()["error"]["code"] == "forbidden"
+    assert remote.get("/metrics").status_code == 401  # the key is still checked first
+    public = app(engine, keys=KEYS, client=("192.0.2.7", 40000), public_metrics=True)
+    assert public.get("/metrics", headers=bearer(KEYS[1])).status_code == 200
+    assert app(engine, client=("192.0.2.7", 40000)).get("/metrics").status_code == 200  # no keys: one trust domain
 
 
 def test_without_keys_no_auth_is_asked_and_every_request_has_the_one_shared_owner(tokenizer):

@@ -56,7 +56,10 @@ class _Api:
         self.vocab_size = engine.vocab_size  # width of the logits (top_k past it is "off")
         self.token_limit = getattr(engine, "token_limit", engine.vocab_size)  # ids the model takes as input
         self.max_n = config.max_n
-        self.max_choices = config.max_streams
+        # choices of one request: what the engine holds at once and, with keys, what one key may have at once (more
+        # could never run: a 400, not a 429 a client would retry)
+        keyed = config.api_keys is not None
+        self.max_choices = min(config.max_streams, config.max_streams_per_key) if keyed else config.max_streams
         self.created = int(time.time())
         self.fingerprint = f"corolla-{__version__}"
         generation_config = engine.model.generation_config
@@ -181,7 +184,7 @@ def build_app(engine: BatchedEngine, config: ApiConfig, keys: ApiKeys | None = N
         api.metrics.requests.labels(endpoint_label(path), str(status)).inc()
 
     app.add_middleware(RequestGate, hosts=AllowedHosts(config.host, config.allowed_hosts), keys=keys,
-                       max_body_bytes=config.max_body_bytes, on_refusal=refused)
+                       max_body_bytes=config.max_body_bytes, on_refusal=refused, public_metrics=config.public_metrics)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:

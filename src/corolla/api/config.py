@@ -75,6 +75,11 @@ class ApiConfig:
         metadata=_opt("Host header names accepted besides localhost names, the --host address and the address a "
                       "connection arrived on (DNS-rebinding protection); '*' accepts any", nargs="+"),
     )
+    public_metrics: bool = field(
+        default=False,
+        metadata=_opt("with --api-keys, serve /metrics (server-wide counts: every key's requests, tokens and kept "
+                      "sessions) to any key's holder; by default only to clients on a loopback address"),
+    )
     max_body_bytes: int = field(
         default=4 * 1024 * 1024, metadata=_opt("bytes of a request body; larger bodies get 413 before being read")
     )

@@ -3,7 +3,9 @@
 1. Host: a Host header the server does not answer for is a 400 (DNS rebinding; see hosts.py).
 2. API key: with keys, a request without `Authorization: Bearer KEY` of one of them is a 401 (auth.py). The key's
    id is put in the request's state (`request.state.owner`; "" without keys): kept sessions, prefix reuse and
-   stream quotas are per owner.
+   stream quotas are per owner. With keys, /metrics (counts over every key's requests and kept sessions) is a 403
+   to a client not on a loopback address unless `public_metrics`: a key's holder learns nothing of other keys'
+   sessions from it.
 3. Body size: a body larger than `max_body_bytes` is a 413, decided from Content-Length before reading anything,
    and, for a body without one (chunked), as soon as the bytes received pass the limit. A body must arrive within
    BODY_TIMEOUT seconds (a 408 otherwise), so a slow sender cannot hold a connection open forever.
@@ -23,11 +25,12 @@ from starlette.responses import JSONResponse
 
 from corolla.api.auth import ApiKeys
 from corolla.api.errors import ApiError
-from corolla.api.hosts import AllowedHosts
+from corolla.api.hosts import AllowedHosts, is_loopback
 
 logger = logging.getLogger(__name__)
 
 BODY_TIMEOUT = 60.0  # seconds a request body may take to arrive
+OPERATOR_PATHS = ("/metrics",)  # server-wide counts: with keys, for loopback clients only unless public_metrics
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -44,11 +47,12 @@ class RequestGate:
     """ASGI middleware: Host check, API key check, body size limit (see the module docstring)."""
 
     def __init__(self, app: App, hosts: AllowedHosts, keys: ApiKeys | None, max_body_bytes: int,
-                 on_refusal: Callable[[str, int], None] | None = None):
+                 on_refusal: Callable[[str, int], None] | None = None, public_metrics: bool = False):
         self.app = app
         self.hosts = hosts
         self.keys = keys
         self.max_body_bytes = max_body_bytes
+        self.public_metrics = public_metrics
         self.on_refusal = on_refusal  # (path, status) of every refused request, for the metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -77,6 +81,12 @@ class RequestGate:
                                                                   "invalid_api_key"), {"WWW-Authenticate": "Bearer"})
                 return
             owner = found
+            client = scope.get("client") or ("",)
+            if scope.get("path") in OPERATOR_PATHS and not self.public_metrics and not is_loopback(str(client[0])):
+                await self._refuse(scope, receive, send, ApiError(
+                    403, "server-wide metrics are served to loopback clients only (start with --public-metrics)",
+                    "invalid_request_error", None, "forbidden"))
+                return
         scope.setdefault("state", {})["owner"] = owner
         declared = headers.get(b"content-length", [])
         if declared:

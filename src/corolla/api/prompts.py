@@ -19,6 +19,7 @@ Roles are written System (system, developer), User, Assistant and Tool.
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any, Sequence
 
@@ -48,7 +49,8 @@ def fallback_text(messages: Sequence[dict[str, str]]) -> str:
 class PromptBuilder:
     """Token ids of chat and completion prompts for one tokenizer. Thread-safe: its uses of the tokenizer are
     serialized by its own lock, so the tokenizer must be its own (a copy of the engine's): a long prompt being
-    encoded then never holds up the engine's decoding of every stream's tokens.
+    encoded then never holds up the engine's decoding of every stream's tokens. Decoding (echo, log-probability
+    tokens, on the HTTP event loop) uses a second copy under a second lock, so it never waits for an encoding.
 
     `max_tokens` (the context length) bounds the text it renders and encodes: a text longer than `max_tokens`
     tokens of the longest token in the vocabulary cannot fit, and is refused (PromptError) before the chat
@@ -58,7 +60,9 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         self.chat_template: str | None = template or None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # encoding (worker threads)
+        self._decoder = copy.deepcopy(tokenizer)
+        self._decode_lock = threading.Lock()  # decoding (the event loop)
         self.max_chars: int | None = None  # characters of a prompt's text that could still fit max_tokens
         if max_tokens is not None:
             longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -89,13 +93,13 @@ class PromptBuilder:
         return self._encode(prompt, True, param)
 
     def decode(self, ids: Sequence[int]) -> str:
-        with self._lock:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        with self._decode_lock:
+            return self._decoder.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def token_text(self, token: int) -> str:
         """One token as text (special tokens included), for log-probabilities."""
-        with self._lock:
-            return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        with self._decode_lock:
+            return self._decoder.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _check_length(self, chars: int, param: str) -> None:
         if self.max_chars is not None and chars > self.max_chars:
