@@ -28,10 +28,16 @@ class ScriptedEngine:
         self.metrics = ApiMetrics()
         self.max_length = 512
         self.vocab_size = 4096
+        self.token_limit = 4096
         self.running = True
         self.model = SimpleNamespace(generation_config=generation_config or GenerationConfig())
         self.reply = reply
         self.submitted: list[tuple[list[int], object, int]] = []
+        self.owners: list[str] = []
+
+    def submit_request(self, prompts, n, params, owner=""):
+        self.owners.append(owner)
+        return [self.submit(ids, params, j) for ids in prompts for j in range(n)]
 
     def submit(self, prompt_ids, params, index=0) -> StreamHandle:
         self.submitted.append((list(prompt_ids), params, index))
@@ -48,8 +54,9 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(demo_model_path())
 
 
-def app_for(engine, **config) -> TestClient:
-    return TestClient(build_app(engine, ApiConfig(model=str(demo_model_path()), model_name="m", **config)))
+def app_for(engine, base_url: str = "http://127.0.0.1:8000", **config) -> TestClient:
+    return TestClient(build_app(engine, ApiConfig(model=str(demo_model_path()), model_name="m", **config)),
+                      base_url=base_url)
 
 
 def test_chat_template_file_replaces_the_tokenizers(tokenizer, tmp_path):

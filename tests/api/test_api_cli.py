@@ -32,3 +32,34 @@ def test_api_help():
     assert run.returncode == 0
     for flag in ("--initial-peers", "--host", "--port", "--model-name", "--max-idle-sessions"):
         assert flag in run.stdout
+
+
+def run_api(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "corolla.cli.main", "api", "some/model", "--initial-peers",
+                           "/ip4/127.0.0.1/tcp/1/p2p/X", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_api_without_keys_refuses_to_listen_beyond_loopback_unless_told_to():
+    for host in ("0.0.0.0", "::", "10.0.0.1"):
+        run = run_api("--host", host)
+        assert run.returncode == 2 and "refusing to listen" in run.stderr and "--api-keys" in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr
+    args = build_parser().parse_args(["api", "m", "--initial-peers", "p", "--host", "0.0.0.0", "--insecure-no-auth"])
+    assert args.insecure_no_auth is True and ApiConfig.insecure_no_auth is False
+
+
+def test_api_keys_file_errors_are_clear_and_come_before_any_network(tmp_path):
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing but a comment\n\n")
+    for path, message in [(empty, "holds no key"), (tmp_path / "missing", "cannot read")]:
+        run = run_api("--api-keys", str(path), "--host", "0.0.0.0")
+        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_api_help_lists_the_multi_user_flags():
+    run = subprocess.run([sys.executable, "-m", "corolla.cli.main", "api", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    for flag in ("--api-keys", "--insecure-no-auth", "--allowed-hosts", "--max-body-bytes", "--max-streams-per-key",
+                 "--public-metrics"):
+        assert flag in run.stdout
+    assert (ApiConfig.max_body_bytes, ApiConfig.max_streams_per_key, ApiConfig.allowed_hosts) == (4 * 1024 * 1024, 64, ())

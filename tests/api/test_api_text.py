@@ -154,3 +154,36 @@ def test_detokenizer_lock_allows_use_from_threads(tokenizer):
         t.join()
     assert errors == []
     assert torch.is_tensor(torch.tensor(builder.text("x")))
+
+
+def held_by_brute_force(text: str, sent: int, stops: list[str]) -> int:
+    """The longest end of text (within what is not sent) that begins some stop string, by trying every length."""
+    return max([k for stop in stops for k in range(1, min(len(stop) - 1, len(text) - sent) + 1)
+                if text.endswith(stop[:k])], default=0)
+
+
+def test_held_back_text_equals_trying_every_length_on_random_text():
+    rng = random.Random(3)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 3))]
+        s = StopStrings(stops)
+        sent = ""
+        for _ in range(rng.randint(1, 12)):
+            out, stopped = s.add("".join(rng.choice("abc") for _ in range(rng.randint(0, 3))))
+            sent += out
+            if stopped:
+                assert not any(stop in s.text for stop in stops) and sent == s.text
+                break
+            assert len(s.text) - len(sent) == held_by_brute_force(s.text, len(sent), stops)
+            assert sent == s.text[: len(sent)]
+
+
+def test_long_stop_strings_cost_little_per_token():
+    import time
+
+    stops = ["b" * 255 + chr(65 + i) for i in range(15)] + ["a" * 255 + "b"]  # 16 stops of the longest kind
+    s = StopStrings(stops)
+    start = time.perf_counter()
+    for _ in range(2000):
+        s.add("aaaa")
+    assert (time.perf_counter() - start) / 2000 < 2e-4  # seconds per token; trying every length took ~0.6 ms

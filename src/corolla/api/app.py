@@ -1,12 +1,15 @@
 """The FastAPI app: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /metrics.
 
 `build_app(engine, config)` returns the app; more routes (the swarm monitor's page) can be added to it. Every
-error is OpenAI's JSON error shape (see errors.py); request bodies are parsed by schemas.py and turned into token
-ids (prompts.py) and sampling settings here, then run by generation.py on the engine.
+request first passes gate.py (Host allow-list, API key, body size limit). Every error is OpenAI's JSON error shape
+(see errors.py); request bodies are parsed by schemas.py and turned into token ids (prompts.py) and sampling
+settings here, checked against the model's limits (token ids it can embed, its context length), then run by
+generation.py on the engine for the request's owner (its API key).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
@@ -20,9 +23,13 @@ from starlette.exceptions import HTTPException
 
 from corolla import __version__
 from corolla.api import generation
+from corolla.api.auth import ApiKeys
 from corolla.api.config import ApiConfig
 from corolla.api.engine import BatchedEngine
 from corolla.api.errors import ApiError
+from corolla.api.gate import RequestGate
+from corolla.api.hosts import AllowedHosts
+from corolla.api.metrics import endpoint_label
 from corolla.api.generation import Job
 from corolla.api.prompts import PromptBuilder, PromptError
 from corolla.api.responses import ResponseFormat
@@ -43,10 +50,16 @@ class _Api:
         self.metrics = engine.metrics
         self.model_name = config.model_name or config.model
         template = Path(config.chat_template).read_text() if config.chat_template else None
-        self.prompts = PromptBuilder(engine.tokenizer, template)
+        # a copy of the engine's tokenizer: encoding a prompt here never waits on, or holds up, its decoding
+        self.prompts = PromptBuilder(copy.deepcopy(engine.tokenizer), template, engine.max_length)
         self.max_length = engine.max_length
+        self.vocab_size = engine.vocab_size  # width of the logits (top_k past it is "off")
+        self.token_limit = getattr(engine, "token_limit", engine.vocab_size)  # ids the model takes as input
         self.max_n = config.max_n
-        self.max_choices = config.max_streams
+        # choices of one request: what the engine holds at once and, with keys, what one key may have at once (more
+        # could never run: a 400, not a 429 a client would retry)
+        keyed = config.api_keys is not None
+        self.max_choices = min(config.max_streams, config.max_streams_per_key) if keyed else config.max_streams
         self.created = int(time.time())
         self.fingerprint = f"corolla-{__version__}"
         generation_config = engine.model.generation_config
@@ -84,13 +97,15 @@ class _Api:
 
         bias = []
         for key, value in (body.logit_bias or {}).items():
-            token = int(key)
-            if not 0 <= token < self.engine.vocab_size:
-                raise ApiError.bad_request(f"logit_bias: token id {token} is not in [0, {self.engine.vocab_size})", "logit_bias")
+            token = int(key)  # schemas.py: at most 10 ASCII digits
+            if not 0 <= token < self.token_limit:
+                raise ApiError.bad_request(f"logit_bias: token id {token} is not in [0, {self.token_limit})", "logit_bias")
             bias.append((token, float(value)))
+        top_k = int(pick("top_k", 0))
+        top_k = 0 if top_k < 0 or top_k >= self.vocab_size else top_k  # past the vocabulary: every token, i.e. off
         return SamplingParams(
             max_tokens=max_tokens, temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)),
-            top_k=max(0, int(pick("top_k", 0))), min_p=float(pick("min_p", 0.0)),
+            top_k=top_k, min_p=float(pick("min_p", 0.0)),
             repetition_penalty=float(pick("repetition_penalty", 1.0)), presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=tuple(bias), seed=body.seed, stop=tuple(stops),
             stop_token_ids=self.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
@@ -108,9 +123,19 @@ class _Api:
         self.check_counts(body, len(body.prompts()))
         prompts: list[list[int]] = []
         for i, prompt in enumerate(body.prompts()):
-            ids = await run_in_threadpool(self.prompts.text, prompt) if isinstance(prompt, str) else list(prompt)
-            if any(not 0 <= t < self.engine.vocab_size for t in ids):
-                raise ApiError.bad_request(f"prompt {i} holds token ids outside [0, {self.engine.vocab_size})", "prompt")
+            if isinstance(prompt, str):
+                try:
+                    ids = await run_in_threadpool(self.prompts.text, prompt)
+                except PromptError as e:
+                    raise ApiError.bad_request(str(e), e.param, e.code) from None
+            else:
+                ids = list(prompt)
+            if len(ids) >= self.max_length:
+                raise ApiError.bad_request(
+                    f"This model's maximum context length is {self.max_length} tokens; prompt {i} has {len(ids)} "
+                    "tokens", "prompt", "context_length_exceeded")
+            if any(not 0 <= t < self.token_limit for t in ids):
+                raise ApiError.bad_request(f"prompt {i} holds token ids outside [0, {self.token_limit})", "prompt")
             prompts.append(ids)
         budgets = [self.max_tokens(len(ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens", "prompt")
                    for ids in prompts]
@@ -119,7 +144,7 @@ class _Api:
             echo = [p if isinstance(p, str) else self.prompts.decode(p) for p in body.prompts()]
         params = self.sampling(body, min(budgets), body.stop_list(), body.logprobs)
         fmt = ResponseFormat(False, self.model_name, self.prompts, body.logprobs is not None, self.fingerprint)
-        job = Job("completions", prompts, params, body.n, body.stream, body.include_usage(), echo)
+        job = Job("completions", prompts, params, body.n, body.stream, body.include_usage(), echo, _owner(request))
         return await generation.run(self.engine, self.metrics, request, fmt, job, arrived)
 
     async def chat(self, body: ChatCompletionRequest, request: Request, arrived: float) -> Response:
@@ -129,13 +154,13 @@ class _Api:
         try:
             ids = await run_in_threadpool(self.prompts.chat, body.message_dicts())
         except PromptError as e:
-            raise ApiError.bad_request(str(e), e.param) from None
+            raise ApiError.bad_request(str(e), e.param, e.code) from None
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budget = self.max_tokens(len(ids), body.completion_limit(), None, field, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling(body, budget, [*body.stop_list(), *self.prompts.fallback_stops], logprobs)
         fmt = ResponseFormat(True, self.model_name, self.prompts, body.logprobs, self.fingerprint)
-        job = Job("chat.completions", [ids], params, body.n, body.stream, body.include_usage())
+        job = Job("chat.completions", [ids], params, body.n, body.stream, body.include_usage(), owner=_owner(request))
         return await generation.run(self.engine, self.metrics, request, fmt, job, arrived)
 
     def models(self) -> dict[str, Any]:
@@ -145,11 +170,21 @@ class _Api:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "corolla"}
 
 
-def build_app(engine: BatchedEngine, config: ApiConfig) -> FastAPI:
-    """The API's FastAPI app over a started engine."""
+def build_app(engine: BatchedEngine, config: ApiConfig, keys: ApiKeys | None = None) -> FastAPI:
+    """The API's FastAPI app over a started engine. With `keys` (else read from config.api_keys when set) every
+    request needs one of them; every request's Host must be one the server answers for (hosts.py), and its body
+    at most config.max_body_bytes (gate.py)."""
+    if keys is None and config.api_keys:
+        keys = ApiKeys.from_file(config.api_keys)
     api = _Api(engine, config)
     app = FastAPI(title="corolla", version=__version__, docs_url=None, redoc_url=None)
     app.state.api = api
+
+    def refused(path: str, status: int) -> None:
+        api.metrics.requests.labels(endpoint_label(path), str(status)).inc()
+
+    app.add_middleware(RequestGate, hosts=AllowedHosts(config.host, config.allowed_hosts), keys=keys,
+                       max_body_bytes=config.max_body_bytes, on_refusal=refused, public_metrics=config.public_metrics)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -200,8 +235,12 @@ def build_app(engine: BatchedEngine, config: ApiConfig) -> FastAPI:
 
 
 def _endpoint(request: Request) -> str:
-    path = request.url.path
-    return {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}.get(path, path)
+    return endpoint_label(request.url.path)
+
+
+def _owner(request: Request) -> str:
+    """The id of the request's API key (gate.py), "" without keys."""
+    return str(getattr(request.state, "owner", ""))
 
 
 def _validation_error(error: RequestValidationError) -> ApiError:

@@ -60,12 +60,40 @@ class ApiConfig:
         default=10.0, metadata=_opt("seconds a new session may wait in a full server's allocation queue")
     )
     num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's choice)"))
+    api_keys: str | None = field(
+        default=None,
+        metadata=_opt("file of API keys, one per line (blank lines and # comments ignored): every request then needs "
+                      "`Authorization: Bearer KEY`, and kept sessions, prefix reuse and stream quotas are per key; "
+                      "without it there is no auth and the server listens on loopback addresses only"),
+    )
+    insecure_no_auth: bool = field(
+        default=False,
+        metadata=_opt("listen beyond loopback without --api-keys: anyone who can reach the port may use the API"),
+    )
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt("Host header names accepted besides localhost names, the --host address and the address a "
+                      "connection arrived on (DNS-rebinding protection); '*' accepts any", nargs="+"),
+    )
+    public_metrics: bool = field(
+        default=False,
+        metadata=_opt("with --api-keys, serve /metrics (server-wide counts: every key's requests, tokens and kept "
+                      "sessions) to any key's holder; by default only to clients on a loopback address"),
+    )
+    max_body_bytes: int = field(
+        default=4 * 1024 * 1024, metadata=_opt("bytes of a request body; larger bodies get 413 before being read")
+    )
+    max_streams_per_key: int = field(
+        default=64,
+        metadata=_opt("streams (n choices count each) one API key may have generating or waiting at once; more get "
+                      "429 (only with --api-keys)"),
+    )
 
     def __post_init__(self) -> None:
         for name in ("session_headroom", "max_idle_sessions", "min_reuse_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-        for name in ("max_streams", "max_n", "pipeline_groups"):
+        for name in ("max_streams", "max_n", "pipeline_groups", "max_body_bytes", "max_streams_per_key"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_length is not None and self.max_length < 2:

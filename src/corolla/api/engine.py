@@ -19,8 +19,14 @@ Before a group's head pass, the engine waits for its decode steps still in fligh
 (3x the usual step time after their launch):
 streams that drifted apart (a prefill that finished in between) fall back into one batch within a step, while one
 slow stream (failover) does not hold back the others.
-Prefills run beside the decode steps and join the next batch. Finished sessions are kept (sessions.IdleSessions) so a follow-up prompt sends only its new tokens; when a
-server is too full to open a session, kept sessions are given up first, oldest first.
+Prefills run beside the decode steps and join the next batch. Finished sessions are kept (sessions.IdleSessions),
+per owner (API key), so a follow-up prompt of the same key sends only its new tokens; when a server is too full to
+open a session, kept sessions are given up first (the largest holder's oldest first).
+
+One stream cannot fail the others of its batch: request values are bounded before they get here (schemas.py,
+app.py), and should a shared head pass still fail (a bug, a row nobody foresaw), it is run again row by row, each
+row's random generator rewound to where the batch found it, and only the rows that fail alone end, with their
+error. Each owner may have at most `max_streams_per_key` streams in the engine (quota.StreamQuota).
 """
 
 from __future__ import annotations
@@ -36,10 +42,12 @@ import torch
 
 from corolla.api.capacity import SwarmCapacity
 from corolla.api.config import ApiConfig
-from corolla.api.errors import EngineClosed
+from corolla.api.errors import EngineClosed, TooManyStreams
 from corolla.api.handle import StreamHandle
 from corolla.api.metrics import ApiMetrics
-from corolla.api.sampling import SamplingParams, make_generator, sample_rows
+from corolla.api.head_pass import HeadPass
+from corolla.api.quota import StreamQuota
+from corolla.api.sampling import SamplingParams, make_generator
 from corolla.api.sessions import IdleSessions
 from corolla.api.stream import GenerationStream, StreamEvent
 from corolla.client.event_loop import get_loop, run_sync
@@ -64,6 +72,8 @@ class _Active:
     decoding: bool = False  # task is a decode step (prefills are not waited for)
     launched: float = 0.0  # when the decode step in flight was launched (monotonic seconds)
     group: int = 0  # pipeline group: the streams of a group share head passes
+    owner: str = ""  # the API key (its id) the stream runs for: its kept sessions and its quota
+    counted: bool = False  # the stream holds one of its owner's quota (given back when it ends)
     done: bool = False
 
 
@@ -77,9 +87,10 @@ class BatchedEngine:
         self.config = config
         self.metrics = metrics
         self.max_length = max_length  # tokens one session may hold
-        with torch.inference_mode():  # the LM head's real width (a checkpoint may pad it past config.vocab_size)
-            probe = torch.zeros(1, 1, int(model.config.hidden_size), dtype=model.dtype, device=model.device)
-            self.vocab_size = int(model.head.logits(probe).shape[-1])
+        self.head_pass = HeadPass(model, metrics)
+        self.vocab_size = self.head_pass.vocab_size  # width of the logits
+        self.token_limit = self.head_pass.token_limit  # ids the model takes as input
+        self.quota = StreamQuota(config.max_streams_per_key if config.api_keys else None)
         self._loop = get_loop()
         self._head = ThreadPoolExecutor(1, thread_name_prefix="corolla-api-head")
         self._active: dict[StreamHandle, _Active] = {}
@@ -107,17 +118,42 @@ class BatchedEngine:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, index: int = 0) -> StreamHandle:
-        """Start generating one choice; call from a running event loop (the handle's events are queued there).
+    def submit_request(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
+                       owner: str = "") -> list[StreamHandle]:
+        """Start every choice of one request (`n` per prompt; choice p * n + j is copy j of prompt p), all or none;
+        call from a running event loop (the handles' events are queued there). Raises TooManyStreams when they
+        would bring `owner` past its stream quota, EngineClosed after close()."""
+        count = len(prompts) * n
+        if not self.quota.take(owner, count):
+            raise TooManyStreams(f"this API key may have at most {self.quota.limit} streams generating or waiting "
+                                 f"at once; it has {self.quota.held(owner)} and the request asks for {count}")
+        handles: list[StreamHandle] = []
+        try:
+            for ids in prompts:
+                for j in range(n):
+                    handles.append(self.submit(ids, params, j, owner, counted=True))
+                    count -= 1
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        finally:
+            if count:
+                self.quota.give_back(owner, count)
+        return handles
 
-        `index` tells a request's choices apart (their seeded generators differ). Raises EngineClosed after close().
-        """
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, index: int = 0, owner: str = "",
+               counted: bool = False) -> StreamHandle:
+        """Start generating one choice for `owner`; call from a running event loop (the handle's events are queued
+        there). `index` tells a request's choices apart (their seeded generators differ); `counted`: the stream
+        was taken from the owner's quota (given back when it ends). Raises EngineClosed after close()."""
         if self._closing:
             raise EngineClosed("the API is shutting down")
         handle = StreamHandle(self.cancel, asyncio.get_running_loop())
         stream = GenerationStream(prompt_ids, params, self.tokenizer, self.vocab_size, make_generator(params.seed, index))
         self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
-        self._loop.call_soon_threadsafe(self._admit, _Active(handle, stream))
+        active = _Active(handle, stream, owner=owner, counted=counted)
+        self._loop.call_soon_threadsafe(self._admit, active)
         return handle
 
     def cancel(self, handle: StreamHandle) -> None:
@@ -157,6 +193,8 @@ class BatchedEngine:
         if active.done:
             return False
         active.done = True
+        if active.counted:
+            self.quota.give_back(active.owner)
         if self._active.pop(active.handle, None) is None and active in self._waiting:
             self._waiting.remove(active)
         self.metrics.active_streams.set(len(self._active))
@@ -189,7 +227,7 @@ class BatchedEngine:
         if session is None:
             return
         held = active.stream.all_ids[: session.position]  # the last sampled token was never sent
-        for dropped in self._idle.put(session, held, session.max_length, time.monotonic()):
+        for dropped in self._idle.put(session, held, session.max_length, time.monotonic(), active.owner):
             self._close_later(dropped, "count" if dropped is not session else None)
         self.metrics.idle_sessions.set(len(self._idle))
 
@@ -215,7 +253,7 @@ class BatchedEngine:
         prompt = stream.prompt_ids
         needed = len(prompt) + stream.params.max_tokens
         try:
-            kept = self._idle.take(prompt, needed, time.monotonic())
+            kept = self._idle.take(prompt, needed, time.monotonic(), active.owner)
             self.metrics.idle_sessions.set(len(self._idle))
             if kept is not None:
                 session, reused = kept
@@ -273,8 +311,8 @@ class BatchedEngine:
             self._opening -= length
 
     async def _give_up_oldest(self) -> bool:
-        """Close the oldest kept session (a server is full); False if none is kept."""
-        victim = self._idle.pop_oldest()
+        """Close a kept session (a server is full: the largest holder's oldest); False if none is kept."""
+        victim = self._idle.give_up_one()
         if victim is None:
             return False
         logger.debug("a server is full: giving up a kept session")
@@ -285,7 +323,7 @@ class BatchedEngine:
 
     async def _feed(self, session: InferenceSession, ids: Sequence[int]) -> torch.Tensor:
         """Send tokens through the session; returns the last block's output (1, T, H)."""
-        embeds = await self._loop.run_in_executor(self._head, self._embed, list(ids))
+        embeds = await self._loop.run_in_executor(self._head, self.head_pass.embed, list(ids))
         output = await session.step_async(embeds)
         self.metrics.tokens_sent.inc(len(ids))
         return output
@@ -325,8 +363,8 @@ class BatchedEngine:
             for a in ready:
                 a.hidden, a.task = None, None
             try:
-                results = await self._loop.run_in_executor(self._head, self._head_pass, ready, hidden)
-            except Exception as e:  # a bug in the head pass fails these streams, not the engine
+                results = await self._loop.run_in_executor(self._head, self.head_pass, [a.stream for a in ready], hidden)
+            except Exception as e:  # a bug outside the per-row retries: fail these streams, not the engine
                 logger.exception("head pass failed")
                 for a in ready:
                     self._fail(a, e)
@@ -334,6 +372,9 @@ class BatchedEngine:
             launched = time.monotonic()
             for a, (event, embed) in zip(ready, results):
                 if a.done:  # cancelled during the head pass
+                    continue
+                if isinstance(event, BaseException):
+                    self._fail(a, event)
                     continue
                 a.handle.post(event)
                 if event.finish_reason is not None:
@@ -376,26 +417,6 @@ class BatchedEngine:
         self.metrics.idle_sessions.set(len(self._idle))
 
     # ------------------------------------------------------------------ head thread
-    @torch.inference_mode()
-    def _embed(self, ids: list[int]) -> torch.Tensor:
-        return self.model.head.embed(torch.tensor([ids], dtype=torch.long, device=self.model.device))  # (1, T, H)
-
-    @torch.inference_mode()
-    def _head_pass(self, ready: list[_Active], hidden: torch.Tensor) -> list[tuple[StreamEvent, torch.Tensor | None]]:
-        """Logits, sampling and text for every ready stream, and the embeddings of the tokens they continue with."""
-        logits = self.model.head.logits(hidden[:, None, :])[:, 0]  # (R, V)
-        sampled = sample_rows(logits, [a.stream.row for a in ready])
-        events = [a.stream.accept(s) for a, s in zip(ready, sampled)]
-        self.metrics.record_step(len(ready))
-        going = [i for i, event in enumerate(events) if event.finish_reason is None]
-        embeds: list[torch.Tensor | None] = [None] * len(ready)
-        if going:
-            tokens = torch.tensor([[sampled[i].token] for i in going], dtype=torch.long, device=self.model.device)
-            rows = self.model.head.embed(tokens)  # (R', 1, H): one lookup for every continuing stream
-            for j, i in enumerate(going):
-                embeds[i] = rows[j : j + 1]
-        return list(zip(events, embeds))
-
     # ------------------------------------------------------------------ shutdown
     async def _shutdown(self) -> None:
         if self._task is not None:

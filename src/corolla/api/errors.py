@@ -1,7 +1,8 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with an HTTP status, never a stack trace.
 
-400 invalid_request_error (the message and `param` name the field), 404 for an unknown model, 503 when the swarm
-cannot serve the request (missing blocks, full servers, unreachable servers), 500 for a bug (logged here).
+400 invalid_request_error (the message and `param` name the field), 401 without a valid API key, 404 for an
+unknown model, 413 for a body past the size limit, 429 when the key has too many streams in flight, 503 when the
+swarm cannot serve the request (missing blocks, full servers, unreachable servers), 500 for a bug (logged here).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ logger = logging.getLogger(__name__)
 
 class EngineClosed(RuntimeError):
     """The API is shutting down; no new work is accepted."""
+
+
+class TooManyStreams(RuntimeError):
+    """The request's API key already has as many streams in the engine as it may."""
 
 
 class ApiError(Exception):
@@ -48,6 +53,8 @@ def from_exception(error: BaseException) -> ApiError:
         return ApiError(400, f"a server refused the request: {error}", "invalid_request_error", None, "server_refused")
     if isinstance(error, (PeerUnavailable, RemoteError, SessionExpired)):
         return ApiError(503, f"the swarm failed to serve the request: {error}", "service_unavailable", None, "swarm_error")
+    if isinstance(error, TooManyStreams):
+        return ApiError(429, str(error), "requests", None, "rate_limit_exceeded")
     if isinstance(error, EngineClosed):
         return ApiError(503, str(error), "service_unavailable", None, "shutting_down")
     logger.error("internal error while generating", exc_info=error)

@@ -21,7 +21,7 @@ from sse_starlette import EventSourceResponse
 
 from corolla.api.engine import BatchedEngine
 from corolla.api.handle import StreamHandle
-from corolla.api.errors import ApiError, from_exception
+from corolla.api.errors import ApiError, TooManyStreams, from_exception
 from corolla.api.metrics import ApiMetrics
 from corolla.api.responses import ChoiceResult, ResponseFormat, usage_body
 from corolla.api.sampling import SamplingParams
@@ -49,12 +49,16 @@ class Job:
     stream: bool
     include_usage: bool
     echo: list[str] | None = None  # per prompt: text to send first (completions' echo)
+    owner: str = ""  # the API key (its id) the request came with: its kept sessions and its stream quota
 
 
 async def run(engine: BatchedEngine, metrics: ApiMetrics, request: Request, fmt: ResponseFormat, job: Job,
               arrived: float) -> Response:
     """Submit every choice and answer; the status is recorded in the request metrics."""
-    handles = [engine.submit(ids, job.params, j) for ids in job.prompts for j in range(job.n)]
+    try:
+        handles = engine.submit_request(job.prompts, job.n, job.params, job.owner)
+    except TooManyStreams as e:
+        return error_response(from_exception(e), metrics, job.endpoint)
     try:
         firsts = await _watch(request, asyncio.gather(*(h.next() for h in handles)))
     except ClientGone:

@@ -13,6 +13,16 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 RATE_WINDOW = 10.0  # seconds over which tokens/s is averaged
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions", "/v1/models": "models"}
+
+
+def endpoint_label(path: str) -> str:
+    """The `endpoint` label of a request path: one of a fixed few (a label per path a client makes up would let it
+    grow the metrics without bound)."""
+    if path in ENDPOINTS:
+        return ENDPOINTS[path]
+    return "models" if path.startswith("/v1/models/") else "other"
+
 
 
 class ApiMetrics:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's rule): dividing by them overflows to inf
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, choice index) pairs so choice i of seed s != choice 0 of seed s + i
 
 
@@ -23,7 +24,7 @@ class SamplingParams:
     """How one choice is generated. Values are checked by the request schemas; these are the engine's settings."""
 
     max_tokens: int  # tokens to generate at most (the stop token included)
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (below GREEDY_BELOW) = greedy
     top_p: float = 1.0  # nucleus mass, (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
@@ -39,7 +40,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 def make_generator(seed: int | None, index: int = 0) -> torch.Generator:
@@ -155,7 +156,7 @@ def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[RowSta
     if not wanted:
         return out
     logprobs = torch.log_softmax(logits[wanted], dim=-1)  # (w, V)
-    k = max(rows[i].params.logprobs or 0 for i in wanted)
+    k = min(max(rows[i].params.logprobs or 0 for i in wanted), logits.shape[-1])
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
     for j, i in enumerate(wanted):
         n = rows[i].params.logprobs or 0

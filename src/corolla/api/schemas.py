@@ -1,7 +1,11 @@
 """Request bodies of /v1/completions and /v1/chat/completions, as OpenAI defines them (plus a few extensions).
 
 Unknown fields are ignored, as OpenAI does; a bad value of a known field is a 400 naming it (app.py turns
-pydantic's validation errors into OpenAI's error shape; `check()` raises ApiError for the rest). Extensions, as vLLM names them: `top_k`, `min_p`,
+pydantic's validation errors into OpenAI's error shape; `check()` raises ApiError for the rest). Every field is
+bounded here, before anything reaches the engine: the engine batches the sampling of many requests' streams, so
+a value it cannot hold (a top_k past int64, a logit_bias key that is not an integer) must be this request's 400,
+never a failure of the batch. The bounds that depend on the model (token ids, the context length, prompt
+characters) are checked in app.py. Extensions, as vLLM names them: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`. Fields that change what the model must do and that corolla does not do
 (`tools`, `response_format` other than text, `suffix`, `best_of` other than n, `echo` with `logprobs`) are 400s
 rather than being silently ignored.
@@ -9,6 +13,7 @@ rather than being silently ignored.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -16,7 +21,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from corolla.api.errors import ApiError
 
 MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters of one stop string (each generated token is checked against every stop)
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_TOP_K = 2**31 - 1  # larger values are 400s; values past the vocabulary mean "off"
+MAX_MESSAGES = 2048  # chat messages per request
+INT64 = 2**63  # seeds are signed 64-bit integers, as OpenAI's
+TOKEN_KEY = re.compile(r"-?[0-9]{1,10}")  # a logit_bias key: a decimal token id (ASCII digits only)
+
+
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _Body(BaseModel):
@@ -56,14 +70,15 @@ class SharedFields(_Body):
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    seed: int | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
     user: str | None = None
     # extensions (vLLM's names)
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1: off
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None  # 0 or -1: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     ignore_eos: bool = False
@@ -72,8 +87,8 @@ class SharedFields(_Body):
     @classmethod
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not TOKEN_KEY.fullmatch(key):
+                raise ValueError(f"keys must be token ids (decimal integers), got {key[:20]!r}")
         return value
 
     def check(self) -> None:
@@ -120,7 +135,7 @@ class CompletionRequest(SharedFields):
 
 
 class ChatCompletionRequest(SharedFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None

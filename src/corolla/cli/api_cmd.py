@@ -1,4 +1,9 @@
-"""`corolla api MODEL --initial-peers ADDR`: an OpenAI-compatible HTTP server in front of the swarm."""
+"""`corolla api MODEL --initial-peers ADDR`: an OpenAI-compatible HTTP server in front of the swarm.
+
+With `--api-keys FILE` every request needs one of the file's keys. Without it there is no auth, so the server
+listens only on a loopback address unless `--insecure-no-auth` says otherwise: a port anyone can reach, with no
+key, would serve anyone.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ import logging
 import signal
 import socket
 
+from corolla.api.auth import ApiKeys
 from corolla.api.config import ApiConfig
+from corolla.api.hosts import is_loopback
 from corolla.cli.dataclass_args import add_dataclass_arguments, dataclass_from_args
 
 logger = logging.getLogger(__name__)
@@ -32,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
     config = dataclass_from_args(ApiConfig, args)
     if not config.initial_peers:
         raise ValueError("--initial-peers is required: the multiaddr of a DHT peer of the swarm (see `corolla dht`)")
+    keys = ApiKeys.from_file(config.api_keys) if config.api_keys else None
+    if keys is None and not config.insecure_no_auth and not is_loopback(config.host):
+        raise ValueError(f"refusing to listen on {config.host} without --api-keys: anyone who can reach it could use "
+                         "the API. Give --api-keys FILE (one key per line), listen on 127.0.0.1, or pass "
+                         "--insecure-no-auth")
     import torch
     import uvicorn
     from transformers import AutoTokenizer
@@ -56,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         max_length = config.max_length or _default_max_length(model)
         engine = BatchedEngine(model, tokenizer, config, ApiMetrics(), max_length)
         engine.start()
-        app = build_app(engine, config)
+        app = build_app(engine, config, keys)
         monitor = _start_monitor(app, model, engine)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE))
@@ -68,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
             while not server.started and not task.done():
                 await asyncio.sleep(0.02)
             if server.started:
-                logger.info("OpenAI-compatible API for %s at %s (max %d tokens per request)",
-                            config.model_name or config.model, url, max_length)
+                logger.info("OpenAI-compatible API for %s at %s (max %d tokens per request; %s)",
+                            config.model_name or config.model, url, max_length,
+                            f"{len(keys)} API key(s)" if keys else "no API keys")
             await task
 
         _interrupt_on(signal.SIGINT, signal.SIGTERM)
