@@ -21,6 +21,12 @@ class PeerTracker:
 
     def __init__(self) -> None:
         self._seen: dict[str, _Seen] = {}
+        self.live_models: set[str] = set()  # DHT prefixes with a server that answered at the last look
+
+    @property
+    def known_peers(self) -> frozenset[str]:
+        """Servers that answered at the last look (read and pinged first at the next)."""
+        return frozenset(self._seen)
 
     def observe(self, peer_id: str, now: float, reachable: bool, decode_steps: int | None) -> tuple[float | None, float | None]:
         """Record one refresh's result for `peer_id`; returns (uptime seconds, decode steps/s), None where unknown."""
