@@ -5,10 +5,12 @@ block only if its state is ONLINE and it answered the ping. Which state and bloc
 own rpc_info answer when it gave one (fresher than its record), otherwise from its DHT record.
 
 The model index and the block records are remote input that anyone can add to, so one look costs a bounded amount
-of work (`plan_reads`): the models read in order (the ones whose servers answered at the last look first, then the
-most announced), at most `max_block_reads` block keys in all, a model that does not fit left out; no further
-model is started once `read_time` seconds are spent; at most MAX_PINGS servers pinged. A flood of fake index
-entries therefore costs one index read and some parsing, and a monitor keeps refreshing on schedule.
+of work (`plan_reads`): the models read in order (the ones whose servers answered at the last look, then the ones
+with an announcer that answers a ping now, then the most announced), at most `max_block_reads` block keys in all,
+a model that does not fit left out; no further model is started once `read_time` seconds are spent; at most
+MAX_PINGS servers pinged, all at once (one ping timeout in all). Announcers that did not answer are not asked again
+for SILENT_RETRY seconds. A flood of fake index entries therefore costs one index read, some parsing and pings that
+fail at once, and a monitor keeps refreshing on schedule.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import time
 from typing import Collection, Mapping
 
-from corolla.dht import SwarmNode, fetch_block_servers, fetch_models
+from corolla.dht import IndexedModel, SwarmNode, fetch_block_servers, fetch_models
 from corolla.monitor.coverage import capacity, coverage_counts, format_ranges, missing_ranges, served_tokens_per_s
 from corolla.monitor.liveness import Liveness, ping_servers
 from corolla.monitor.schema import UNREACHABLE, ModelView, ServerView, SwarmState
@@ -28,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 SCAN_BLOCKS = 256  # keys read for a model whose block count nobody told us
 MAX_BLOCK_READS = 1024  # block keys read per look at the swarm, all models together
-MAX_PINGS = 256  # servers pinged per look (the ones that answered before first)
+MAX_PINGS = 256  # servers pinged per look (the ones that answered before first), and index announcers probed
+SILENT_RETRY = 60.0  # seconds before an index announcer that did not answer is probed again
 _RECORD_FIELDS = set(ServerView.model_fields) - {"state"}  # what a view copies from a server's ServerInfo
 _STATE_RANK = {ServerState.ONLINE: 0, ServerState.JOINING: 1, ServerState.OFFLINE: 2}
 
@@ -60,8 +63,10 @@ async def collect_state(
     priority = {prefix: len(index) - rank for rank, prefix in enumerate(index)}  # the most announced first
     num_keys = {p: n or SCAN_BLOCKS for p, n in counts.items()}
     budget = max_block_reads if models is None else sum(num_keys.values())  # models asked for are all read
-    plan = plan_reads(num_keys, priority, tracker.live_models, budget)
     known = tracker.known_peers
+    liveness = await _probe_announcers(node, index, counts, tracker, ping_timeout)
+    answered = {p for p in counts if p in index and any(liveness.get(a, _SILENT).reachable for a in index[p].announcers)}
+    plan = plan_reads(num_keys, priority, tracker.live_models | answered, budget)
     deadline = time.monotonic() + read_time
     per_model: dict[str, list[dict[str, ServerInfo]]] = {}
     for prefix, num_keys in plan:
@@ -70,8 +75,8 @@ async def collect_state(
             break
         per_model[prefix] = await fetch_block_servers(node.dht, prefix, range(num_keys), prefer=known)
     peers = {peer for per_block in per_model.values() for by_peer in per_block for peer in by_peer}
-    pinged = sorted(peers, key=lambda peer: (peer not in known, peer))[:MAX_PINGS]
-    liveness = await ping_servers(node.p2p, pinged, ping_timeout, max_pings)
+    pinged = sorted(peers - set(liveness), key=lambda peer: (peer not in known, peer))[:MAX_PINGS]
+    liveness |= await ping_servers(node.p2p, pinged, ping_timeout, max_pings)
     now = time.time()
     views = []
     for prefix in sorted(per_model):
@@ -82,6 +87,29 @@ async def collect_state(
     tracker.retain(peers)
     tracker.live_models = {view.dht_prefix for view in views if view.servers_online}
     return SwarmState(updated_at=now, refresh_period=refresh_period, monitor_peer_id=node.peer_id, models=views)
+
+
+_SILENT = Liveness(False, error="not probed")
+
+
+async def _probe_announcers(node: SwarmNode, index: Mapping[str, IndexedModel], wanted: Collection[str],
+                            tracker: PeerTracker, timeout: float) -> dict[str, Liveness]:
+    """Ping one announcer of each wanted model in the index that had no server answering at the last look (one that
+    answered before if any, else the first one not silent lately); at most MAX_PINGS, all at once."""
+    now, known = time.time(), tracker.known_peers
+    silent = tracker.silent_since(now, SILENT_RETRY)
+    probes = []
+    for prefix in wanted:
+        if prefix in index and prefix not in tracker.live_models:
+            candidates = [a for a in index[prefix].announcers if a not in silent]
+            if candidates:
+                probes.append(next((a for a in candidates if a in known), candidates[0]))
+    probes = sorted(set(probes))[:MAX_PINGS]
+    liveness = await ping_servers(node.p2p, probes, timeout, max(1, len(probes))) if probes else {}
+    for peer, live in liveness.items():
+        if not live.reachable:
+            tracker.silent[peer] = now
+    return liveness
 
 
 def plan_reads(
