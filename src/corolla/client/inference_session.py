@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
@@ -390,8 +391,11 @@ class InferenceSession:
                 span.step_id += 1  # the step id each later server answers the pushed step with
             await spans[0].send(hidden, position, mask, hypo_ids, route)
             self.exchanges += 1
+            mark = time.perf_counter()  # routing: what each span added to the step (SequenceManager.observe)
             while index < len(spans):
                 x = await spans[index].receive(x, position, timeout, hypo_ids)
+                elapsed, mark = time.perf_counter() - mark, time.perf_counter()
+                self.manager.observe(spans[index].span.peer_id, elapsed, spans[index].span.length, x.shape[0] * x.shape[1])
                 self.manager.forgive(spans[index].span.peer_id)
                 if self.checks is not None and mask is None and hypo_ids is None:  # spot checks, as in _relay
                     self.checks.after_step(spans[index], position, x, spans[index].prompts)
@@ -417,7 +421,9 @@ class InferenceSession:
                     error, failed = failed, None
                     raise error
                 self.exchanges += 1
+                begin = time.perf_counter()  # routing: the span's measured time (SequenceManager.observe)
                 x_out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids)
+                self.manager.observe(span.span.peer_id, time.perf_counter() - begin, span.span.length, x.shape[0] * x.shape[1])
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, failures, span.span)
                 await span.close()
