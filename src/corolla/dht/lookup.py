@@ -14,8 +14,10 @@ stores, are dropped one by one (never a whole answer).
 What one answer can cost is bounded: an answer holding more records under a key than an honest node keeps
 (record_storage.MAX_SUBKEYS_PER_KEY), or more bytes than those can take, is dropped before anything in it is
 decoded or any signature checked, so a peer answering with 10,000 records costs a reader no more than one with 256.
-Each request names at most `keys_per_call` keys, so an honest answer stays below hivemind's message size limit
-even when every key is full (MAX_SUBKEYS_PER_KEY records of signed_records.MAX_RECORD_BYTES each: 2 MiB).
+Each request names at most `keys_per_call` keys (a few: fewer round trips); when a peer does not answer such a
+request, the keys are asked again one per request, whose answer stays below hivemind's message size limit even
+when the key is full (MAX_SUBKEYS_PER_KEY records of signed_records.MAX_RECORD_BYTES each: 2 MiB), so keys
+flooded with large records cannot hide the others.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from corolla.dht.signed_records import MAX_RECORD_BYTES
 
 logger = logging.getLogger(__name__)
 
-KEYS_PER_CALL = 1  # keys named in one find request (see the module docstring)
+KEYS_PER_CALL = 4  # keys named in one find request (see the module docstring)
 MAX_ANSWER_BYTES = MAX_SUBKEYS_PER_KEY * (MAX_RECORD_BYTES + 256)  # one key's records in an answer, serialized
 
 Records = dict[str, tuple[Any, float]]  # subkey (a writer's peer id) -> (value, expiration time)
@@ -76,6 +78,9 @@ async def _traverse(dht: DHTNode, key_ids: list[DHTID], merged: dict[DHTID, dict
         queries = list(queries)
         peer = node_to_peer[node_id]
         response = None if peer in dht.blacklist else await _call_find(dht, peer, queries)
+        if response is None and len(queries) > 1 and peer not in dht.blacklist:  # maybe too large an answer
+            parts = await asyncio.gather(*(_call_find(dht, peer, [query]) for query in queries))
+            response = {k: v for part in parts if part for k, v in part.items()} or None
         if not response:
             dht.blacklist.register_failure(peer)
             return {query: ((), False) for query in queries}
