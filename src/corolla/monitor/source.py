@@ -138,6 +138,11 @@ class MonitorThread:
             except Exception as e:
                 logger.warning("monitor node shutdown: %r", e)
             self.monitor = None
+        if self._thread.is_alive():
+            try:
+                self._call(_cancel_others(), timeout=30.0)  # the refresh task, and what the DHT node left behind
+            except Exception as e:
+                logger.warning("monitor tasks did not end: %r", e)
         self._stop_loop()
 
     def _call(self, coro, timeout: float):
@@ -147,3 +152,13 @@ class MonitorThread:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()
+
+
+async def _cancel_others() -> None:
+    """Cancel every task of the running loop but this one and wait for them to end."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
