@@ -69,6 +69,14 @@ def test_a_flooded_model_index_keeps_the_monitor_refreshing_on_schedule(swarm, e
     assert " 0 fake model(s) shown" in result.details  # each claims 4096 blocks: more than a refresh reads
 
 
+def test_block_keys_full_of_the_largest_records_cannot_hide_a_server(swarm):
+    """Last on this swarm: its block keys stay full of junk records (as many as honest nodes keep per key)."""
+    prefix, victim = model_dht_prefix(swarm.model_path), swarm.peer_ids["victim"]
+    result = asyncio.run(dht_attacks.flood_block_keys(swarm.peers, prefix, [0, 1, 2, 3], victim))
+    assert not result.succeeded, result.details
+    assert generates(swarm)
+
+
 # ---------------------------------------------------------------- a victim node of the test's own
 def record(start: int = 0, end: int = 2) -> ServerInfo:
     return ServerInfo(state=ServerState.ONLINE, start_block=start, end_block=end, throughput=10.0,

@@ -15,9 +15,9 @@ What one answer can cost is bounded: an answer holding more records under a key 
 (record_storage.MAX_SUBKEYS_PER_KEY), or more bytes than those can take, is dropped before anything in it is
 decoded or any signature checked, so a peer answering with 10,000 records costs a reader no more than one with 256.
 Each request names at most `keys_per_call` keys (a few: fewer round trips); when a peer does not answer such a
-request, the keys are asked again one per request, whose answer stays below hivemind's message size limit even
-when the key is full (MAX_SUBKEYS_PER_KEY records of signed_records.MAX_RECORD_BYTES each: 2 MiB), so keys
-flooded with large records cannot hide the others.
+request, the keys are asked again one per request, whose answer stays below hivemind's limit on a unary answer
+(2 MiB) even when the key is full (MAX_SUBKEYS_PER_KEY records of signed_records.MAX_RECORD_BYTES each: ~1 MiB),
+so keys flooded with large records cannot hide the others (they cost the reader one RPC timeout).
 """
 
 from __future__ import annotations

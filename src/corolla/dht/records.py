@@ -7,9 +7,11 @@ reader a bounded amount of work (the storing nodes bound a key's writers too: dh
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
+import secrets
 from typing import Collection, Sequence
 
 from hivemind.dht.node import DHTNode
@@ -24,6 +26,13 @@ from corolla.protocol.messages import ServerInfo
 logger = logging.getLogger(__name__)
 
 MAX_SERVERS_PER_BLOCK = MAX_SUBKEYS_PER_KEY  # records a reader keeps per block (the peers it prefers first)
+
+
+_SALT = secrets.token_bytes(16)  # this process's draw of which records to keep when a block holds too many
+
+
+def _drawn(peer: str) -> bytes:
+    return hashlib.sha256(_SALT + peer.encode(errors="replace")).digest()
 
 
 def model_dht_prefix(model: str) -> str:
@@ -68,13 +77,14 @@ async def fetch_block_servers(
 ) -> list[dict[str, ServerInfo]]:
     """For each block, the servers that announced it (peer id -> ServerInfo), read fresh from the DHT (dht.lookup),
     dropping malformed records. Over `max_servers` records under one block, the peers in `prefer` (e.g. the ones
-    that answered before) are kept first, then the most recently refreshed ones."""
+    that answered before) are kept first, then the others in an order drawn once per process (peer ids or
+    expirations chosen by a writer cannot put it first)."""
     keys = [block_key(prefix, b) for b in blocks]
     found = await lookup(dht, keys) if keys else {}
     out: list[dict[str, ServerInfo]] = []
     for key in keys:
         records = found.get(key, {})
-        kept = sorted(records, key=lambda peer: (peer not in prefer, -records[peer][1], peer))[:max_servers]
+        kept = sorted(records, key=lambda peer: (peer not in prefer, _drawn(peer)))[:max_servers]
         if len(records) > max_servers:
             logger.debug("key %s holds %d records; reading %d", key, len(records), max_servers)
         servers: dict[str, ServerInfo] = {}

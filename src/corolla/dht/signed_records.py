@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 RECORD_LABEL = "corolla/dht-record/v1"
 MAGIC = b"crs1"
-MAX_RECORD_BYTES = 8192  # a signed record's value, envelope included (a ServerInfo takes ~1 KiB)
+MAX_RECORD_BYTES = 4096  # a signed record's value, envelope included (a ServerInfo takes ~0.5-2 KiB)
 MAX_PEER_ID_CHARS = 128
 VERIFIED_CACHE_SIZE = 32768  # records whose signature was checked already (a re-read costs a hash, not a verify)
 _BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")

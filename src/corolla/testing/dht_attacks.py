@@ -14,7 +14,9 @@ the swarm, and the attack reports whether it worked:
 - `replay_older_record`: a server's own older (validly signed) record replayed after it announced a newer one;
 - `erase_member_record`: the first three from a member of a private swarm (holding the swarm key);
 - `flood_model_index`: fake entries in the model index (each validly signed by a fresh key, or unsigned), with a
-  monitor refreshing meanwhile.
+  monitor refreshing meanwhile;
+- `flood_block_keys`: block keys filled with as many records of the largest size as honest nodes keep, each
+  validly signed by a fresh key, so that one answer for several keys exceeds what a message may hold.
 
 Each returns an AttackResult; nothing here asserts. All nodes an attack starts are shut down before it returns.
 """
@@ -265,3 +267,34 @@ async def _watch_monitor(initial_peers: Sequence[str], swarm_key: SwarmKey | Non
     models = tuple(monitor.latest.models) if monitor.latest else ()
     return MonitorWatch(monitor.refreshes, slowest, models,
                         tuple(m.dht_prefix for m in models if not m.dht_prefix.startswith("fake-")))
+
+
+async def flood_block_keys(initial_peers: Sequence[str], prefix: str, blocks: Sequence[int], victim: str, *,
+                           swarm_key: SwarmKey | None = None, per_key: int = 256, read_timeout: float = 60.0
+                           ) -> AttackResult:
+    """Fill each block key with `per_key` records of nearly MAX_RECORD_BYTES, each signed by a fresh key; then a
+    newcomer reads the blocks (within `read_timeout` s). It succeeds when the victim is missing from a block."""
+    from corolla.dht.signed_records import MAX_RECORD_BYTES
+
+    expiration = get_dht_time() + 1800
+    padding = "x" * (MAX_RECORD_BYTES - 400)
+    accepted = 0
+    async with hostile_node(initial_peers, swarm_key) as node:
+        for block in blocks:
+            key = block_key(prefix, block)
+            key_bytes = DHTID.generate(source=key).to_bytes()
+            sybils = [PeerKey.generate() for _ in range(per_key)]
+            values = [seal(s, key_bytes, MSGPackSerializer.dumps({"padding": padding}), expiration) for s in sybils]
+            accepted += await store_everywhere(node, key, [s.peer_id for s in sybils], values, expiration)
+        reader = await create_swarm_node(initial_peers, client_mode=True, swarm_key=swarm_key)
+        try:
+            begin = time.monotonic()
+            servers = await asyncio.wait_for(fetch_block_servers(reader.dht, prefix, blocks), read_timeout)
+            seconds = time.monotonic() - begin
+        finally:
+            await reader.shutdown()
+    missing = [b for b, by_peer in zip(blocks, servers) if not _is_online(by_peer, victim)]
+    return AttackResult("flood_block_keys", bool(missing),
+                        f"{per_key} records of ~{MAX_RECORD_BYTES} bytes under each of {len(blocks)} keys, "
+                        f"{accepted} accepted by peers; a newcomer read them in {seconds:.1f}s; the victim is "
+                        f"missing from blocks {missing}")
