@@ -44,7 +44,7 @@ def test_no_peer_can_hijack_a_live_servers_record(swarm):
     prefix, victim = model_dht_prefix(swarm.model_path), swarm.peer_ids["victim"]
     result = asyncio.run(dht_attacks.hijack_record(swarm.peers, prefix, 1, victim))
     assert not result.succeeded, result.details
-    assert "dht.store -> False" in result.details and "accepted by peers: 0" in result.details
+    assert "dht.store -> False" in result.details and "accepted by peers: 0" in result.details, result.details
     assert generates(swarm)
 
 

@@ -119,11 +119,26 @@ async def hijack_record(initial_peers: Sequence[str], prefix: str, block: int, v
         raw = MSGPackSerializer.dumps(forged)
         signed_by_us = seal(node.key, DHTID.generate(source=key).to_bytes(), raw, expiration)  # our signature, their id
         accepted = await store_everywhere(node, key, [victim, victim], [raw, signed_by_us], expiration)
+        accepted += await store_dictionary_everywhere(node, key, {victim: (signed_by_us, expiration)})
         after = await read_block(initial_peers, prefix, block, swarm_key)
     state = after[victim].state.value if victim in after else "missing"
     return AttackResult("hijack_record", not _is_online(after, victim),
-                        f"dht.store -> {stored}; hand-made stores accepted by peers: {accepted}; a newcomer reads the "
-                        f"victim as {state}")
+                        f"dht.store -> {stored}; hand-made stores (single records and a whole dictionary) accepted "
+                        f"by peers: {accepted}; a newcomer reads the victim as {state}")
+
+
+async def store_dictionary_everywhere(node: SwarmNode, key: str, records: dict[str, tuple[bytes, float]]) -> int:
+    """Send one whole dictionary (subkey -> (raw value, expiration)) under `key` to every DHT peer `node` knows, as
+    nodes pass dictionaries on to each other; returns how many peers accepted it."""
+    key_id = DHTID.generate(source=key)
+    dictionary = DictionaryDHTValue()
+    for subkey, (value, expiration) in records.items():
+        dictionary.store(subkey, value, expiration)
+    await node.dht.find_nearest_nodes([key_id])
+    peers = list(node.dht.protocol.routing_table.peer_id_to_uid)
+    answers = await asyncio.gather(*(node.dht.protocol.call_store(
+        peer, [key_id], [dictionary], dictionary.latest_expiration_time) for peer in peers))
+    return sum(bool(answer and answer[0]) for answer in answers)
 
 
 async def squat_key(initial_peers: Sequence[str], prefix: str, block: int,
