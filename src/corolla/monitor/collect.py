@@ -51,10 +51,10 @@ async def collect_state(
 
     `models`: DHT prefix -> number of blocks (None: the model index's count, else scan up to SCAN_BLOCKS keys and
     stop at the last one found), all read whatever `max_block_reads` says; by default every model in the swarm's
-    model index (dht.model_index), within the bounds. `tracker`
-    carries uptimes and decode counters from one call to the next (a fresh one knows neither) and which models and
-    servers answered at the last look (read first). `max_block_reads` and `read_time` (seconds) bound the DHT reads,
-    see the module docstring. Never raises for a server's failure; DHT errors propagate.
+    model index (dht.model_index), within the bounds. `tracker` carries uptimes and decode counters from one call to
+    the next (a fresh one knows neither) and which models and servers answered at the last look (read first).
+    `max_block_reads` and `read_time` (seconds) bound the DHT reads, see the module docstring. Never raises for a
+    server's failure; DHT errors propagate.
     """
     tracker = tracker if tracker is not None else PeerTracker()
     index = await fetch_models(node.dht, prefer=tracker.live_models)
@@ -69,11 +69,11 @@ async def collect_state(
     plan = plan_reads(num_keys, priority, tracker.live_models | answered, budget)
     deadline = time.monotonic() + read_time
     per_model: dict[str, list[dict[str, ServerInfo]]] = {}
-    for prefix, num_keys in plan:
+    for prefix, keys in plan:
         if per_model and time.monotonic() > deadline:
             logger.debug("read time spent: %d model(s) left out of this look", len(plan) - len(per_model))
             break
-        per_model[prefix] = await fetch_block_servers(node.dht, prefix, range(num_keys), prefer=known)
+        per_model[prefix] = await fetch_block_servers(node.dht, prefix, range(keys), prefer=known)
     peers = {peer for per_block in per_model.values() for by_peer in per_block for peer in by_peer}
     pinged = sorted(peers - set(liveness), key=lambda peer: (peer not in known, peer))[:MAX_PINGS]
     liveness |= await ping_servers(node.p2p, pinged, ping_timeout, max_pings)
