@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import socket
 import urllib.error
 import urllib.request
@@ -13,7 +14,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from corolla.monitor.collect import model_view
+from corolla.monitor.collect import model_view, plan_reads
 from corolla.monitor.config import MonitorConfig
 from corolla.monitor.coverage import capacity, coverage_counts, format_ranges, missing_ranges, served_tokens_per_s
 from corolla.monitor.history import History
@@ -152,10 +153,36 @@ def test_tokens_per_second_come_from_decode_counters_between_refreshes():
 def test_the_page_embeds_state_that_cannot_end_its_script_early():
     state = SwarmState(updated_at=1.0, refresh_period=2.0, monitor_peer_id="</script><b>x", models=[])
     html = render_page(state, state_url="/api/v1/state", refresh_period=2.0)
-    assert "</script><b>x" not in html and "<\\/script><b>x" in html
+    assert "</script><b>x" not in html and "\\u003c/script\\u003e\\u003cb\\u003ex" in html
     assert '"chat_url": null' in html and '"refresh_ms": 2000' in html
     chat = render_page(None, state_url="/s", refresh_period=1.0, chat_url="/v1/chat/completions")
     assert '"chat_url": "/v1/chat/completions"' in chat and '"models_url": "/v1/models"' in chat
+
+
+@pytest.mark.parametrize("announced", ["<!--<script>", "</script><script>alert(1)</script>", "a&amp;b", "x\u2028y\u2029z"])
+def test_announced_strings_cannot_change_how_the_page_parses(announced):
+    """A model_type or adapter name is whatever a server announced: "<!--<script>" inside the embedded JSON would
+    make the HTML parser swallow the page's own script. The embedded JSON holds none of <, >, &, U+2028, U+2029 and
+    still reads back exactly."""
+    view = model_view("m", announced, 2, records(2, {"p": make_info(0, 2)}), {"p": Liveness(True, rtt=0.01)},
+                      PeerTracker(), now=1.0)
+    state = SwarmState(updated_at=1.0, refresh_period=2.0, monitor_peer_id="me", models=[view])
+    html = render_page(state, state_url="/api/v1/state", refresh_period=2.0)
+    opening = '<script type="application/json" id="page-config">'
+    embedded = html[html.index(opening) + len(opening):]
+    embedded = embedded[: embedded.index("</script>")]
+    assert not any(c in embedded for c in "<>&\u2028\u2029")
+    assert json.loads(embedded)["initial_state"]["models"][0]["model_type"] == announced
+    assert html.count("<script") == 2 and html.index('"use strict"') > html.index(opening)  # the app's script follows
+
+
+def test_reads_go_to_live_then_most_announced_models_within_the_key_budget():
+    num_keys = {"real": 6, "seen": 32, "fake-a": 4096, "fake-b": 8, "fake-c": 8, "other": 600}
+    priority = {"fake-a": 5, "fake-b": 4, "fake-c": 4, "real": 3, "other": 2}
+    assert plan_reads(num_keys, priority, {"seen"}, 1024) == [
+        ("seen", 32), ("fake-b", 8), ("fake-c", 8), ("real", 6), ("other", 600)]
+    assert plan_reads(num_keys, priority, {"seen"}, 50) == [("seen", 32), ("fake-b", 8), ("fake-c", 8)]
+    assert plan_reads({"m": 0}, {}, set(), 10) == []
 
 
 def test_monitor_metrics_follow_the_latest_state_and_drop_expired_servers():

@@ -153,6 +153,9 @@ class FakeManager:
     def forgive(self, peer_id: str) -> None:
         pass
 
+    def observe(self, peer_id: str, seconds: float, blocks: int, tokens: int) -> None:
+        pass
+
 
 class LocalBlocks(RemoteBlocks):
     """RemoteBlocks whose requests run on local blocks; `broken` peers fail their backward requests."""

@@ -126,7 +126,7 @@ def push_cost(route: list[Span], records: dict[str, ServerInfo], rtts: dict[str,
     for i, span in enumerate(route):
         cost += hop_cost + span.length / records[span.peer_id].throughput
         if i:
-            cost += one_way(records, rtt, route[i - 1].peer_id, span.peer_id)
+            cost += one_way(records, rtt, route[i - 1].peer_id, span.peer_id, rtts)  # pings as the client believes them
     return cost
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
@@ -293,9 +294,13 @@ class InferenceSession:
             for span in spans[1:]:
                 span.step_id = step_id  # every later server answers the pushed step with its id
             self.exchanges += 1
+            mark = time.perf_counter()  # routing: what each span added to the step (SequenceManager.observe)
             while index < len(spans):
                 pushed = None if index == 0 else pushed_by(spans[index - 1], inputs[index], mask)
                 inputs.append(await spans[index].receive(inputs[index], timeout, pushed, position, hypo_ids))
+                elapsed, mark = time.perf_counter() - mark, time.perf_counter()
+                self.manager.observe(spans[index].span.peer_id, elapsed, spans[index].span.length,
+                                     hidden.shape[0] * hidden.shape[1])
                 index += 1
         except PushFailed as e:  # spans[index] answered, the one after it did not get the step
             logger.info("push failed after span %d: %s", index, e)
@@ -425,7 +430,9 @@ class InferenceSession:
                     error, failed = failed, None
                     raise error
                 self.exchanges += 1
+                begin = time.perf_counter()  # routing: the span's measured time (SequenceManager.observe)
                 x_out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids)
+                self.manager.observe(span.span.peer_id, time.perf_counter() - begin, span.span.length, x.shape[0] * x.shape[1])
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, failures, span.span)
                 await span.close()

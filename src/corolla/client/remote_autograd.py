@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -107,11 +108,13 @@ class RemoteBlocks:
             route = await self.manager.make_forward_route(block, self.end)
             for span in route:
                 try:
+                    begin = time.perf_counter()  # routing: the span's measured time (SequenceManager.observe)
                     out = await self.forward_span(span, x, self._prompts_of(prompts, span), mask)
                 except (PeerUnavailable, RemoteError) as e:
                     failures = self.manager.after_failure(e, failures, span)
                     await self.manager.backoff(failures)
                     break  # re-route from `block`
+                self.manager.observe(span.peer_id, time.perf_counter() - begin, span.length, x.shape[0] * x.shape[1])
                 self.manager.forgive(span.peer_id)
                 records.append(SpanRecord(span, x, mask))
                 x, block = out, span.end

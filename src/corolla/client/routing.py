@@ -17,10 +17,19 @@ round trip to it), plus the same per-hop overhead, compute and penalties. As the
 server before it, Dijkstra then runs over states (block boundary, previous server). When a server has not measured
 the next one, the hop is charged (rtt(client, A) + rtt(client, B)) / 2: the one-way trip through the client, an
 upper bound of the direct one by the triangle inequality (where the network obeys it), so a pair known to be close
-beats a pair nobody measured. Announced values are bounded when the record is read (ServerInfo), so a hostile
-record can bend routes only as much as one lying about its throughput can.
+beats a pair nobody measured. Announced values are bounded when the record is read (ServerInfo).
 
-Forward/backward passes carry no state, so `sample_route` spreads them over servers in proportion to throughput.
+What a server announces about itself steers routes only as far as the client's own measurements support it:
+- throughput: once the client has timed steps through a server (`measured` speeds, see `measured_speed`), its
+  announced throughput is believed up to ANNOUNCED_SPEEDUP times the measured one (`believed_throughput`), so a
+  server announcing 1000x its speed is priced at twice what it delivers after its first step, not preferred for long;
+- next_pings: a server-to-server round trip is at least |rtt(client, A) - rtt(client, B)| (triangle inequality),
+  so an announced one below what the client's own round trips allow is raised to that (`believed_ping`);
+- cache_tokens_free: a lie attracts sessions the server then refuses (server_full: banned and routed around), so
+  it costs the liar, not the client; the value is capped at the announced total.
+
+Forward/backward passes carry no state, so `sample_route` spreads them over servers in proportion to (believed)
+throughput.
 """
 
 from __future__ import annotations
@@ -33,6 +42,31 @@ from typing import Callable, Collection, Iterator, Mapping, Sequence
 from corolla.protocol.messages import ServerInfo, ServerState
 
 FULL_CACHE_PENALTY = 1e3  # seconds: use a server without room only when nothing else covers those blocks
+ANNOUNCED_SPEEDUP = 2.0  # how much faster than the client measured it a server's announced throughput may be
+
+
+def measured_speed(seconds: float, rtt: float | None, blocks: int, tokens: int) -> float | None:
+    """The throughput (tokens/s per block, the unit servers announce) a step shows: `tokens` through `blocks` blocks
+    in `seconds` as the client saw it, less the client's round trip to the server (`rtt`, None: unknown). None when
+    the step took no longer than the round trip (it tells nothing about compute) or the arguments are degenerate."""
+    compute = seconds - (rtt or 0.0)
+    if blocks <= 0 or tokens <= 0 or not compute > 0:
+        return None
+    return blocks * tokens / compute
+
+
+def believed_throughput(announced: float, measured: float | None, speedup: float = ANNOUNCED_SPEEDUP) -> float:
+    """The throughput route finding prices a server at: the announced one, at most `speedup` x the measured one
+    (None: not measured yet)."""
+    return announced if measured is None else min(announced, speedup * measured)
+
+
+def believed_ping(announced: float, rtt_source: float | None, rtt_target: float | None) -> float:
+    """A server-to-server round trip as route finding takes it: the announced one, but at least the least the
+    triangle inequality allows given the client's own round trips to both (when it measured both)."""
+    if rtt_source is None or rtt_target is None:
+        return announced
+    return max(announced, abs(rtt_source - rtt_target))
 
 
 @dataclass(frozen=True)
@@ -79,10 +113,10 @@ class _Server:
 def _usable(
     block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, banned: frozenset[str] | set[str],
     cache_tokens_needed: int, hop_cost: float, adapter: str | None, allowed_quant: Collection[str] | None,
-    relay_cost: float,
+    relay_cost: float, measured: Mapping[str, float],
 ) -> tuple[dict[str, _Server], dict[int, list[str]], dict[str, ServerInfo]]:
-    """The usable servers of [start, end): peer -> its prices, block -> the peers holding it (by peer id), and
-    peer -> its record."""
+    """The usable servers of [start, end): peer -> its prices (at its believed throughput), block -> the peers
+    holding it (by peer id), and peer -> its record."""
     servers: dict[str, _Server] = {}
     holders: dict[int, list[str]] = {}
     records: dict[str, ServerInfo] = {}
@@ -91,9 +125,11 @@ def _usable(
             holders.setdefault(block, []).append(peer)
             if peer not in servers:
                 records[peer] = info
-                fixed = hop_cost + (FULL_CACHE_PENALTY if info.cache_tokens_free < cache_tokens_needed else 0.0)
+                free = min(info.cache_tokens_free, info.cache_tokens_total)
+                fixed = hop_cost + (FULL_CACHE_PENALTY if free < cache_tokens_needed else 0.0)
                 fixed += relay_cost if info.relayed else 0.0
-                servers[peer] = _Server(fixed, 1.0 / max(info.throughput, 1e-9), min(info.end_block, end))
+                throughput = believed_throughput(info.throughput, measured.get(peer))
+                servers[peer] = _Server(fixed, 1.0 / max(throughput, 1e-9), min(info.end_block, end))
     return servers, holders, records
 
 
@@ -111,6 +147,7 @@ def find_route(
     allowed_quant: Collection[str] | None = None,
     relay_cost: float = 0.0,
     push: bool = False,
+    measured: Mapping[str, float] | None = None,
 ) -> list[Span] | None:
     """Cheapest chain of spans covering [start, end), or None when some block has no usable server.
 
@@ -120,15 +157,17 @@ def find_route(
     seconds charged for a server that announces it is reachable only through a relay. With an `adapter`, only
     servers announcing that LoRA adapter are used. `push=True` prices the route as a push route (client -> A -> B
     -> client, with the server-to-server round trips servers announce; see the module docstring), `push=False` as
-    a relayed one (a client round trip per span). Ties are broken towards fewer hops, then by peer id, so equal
-    inputs give equal routes.
+    a relayed one (a client round trip per span). `measured` maps peer id -> the throughput the client measured
+    (tokens/s per block, `measured_speed`); announced throughputs and next_pings are believed only as far as the
+    client's measurements allow (see the module docstring). Ties are broken towards fewer hops, then by peer id, so
+    equal inputs give equal routes.
     """
     rtts = rtts or {}
     _check_range(block_servers, start, end)
     servers, holders, records = _usable(block_servers, start, end, banned, cache_tokens_needed, hop_cost, adapter,
-                                        allowed_quant, relay_cost)
+                                        allowed_quant, relay_cost, measured or {})
     if push:
-        return _push_route(servers, holders, records, start, end, lambda peer: rtts.get(peer, default_rtt))
+        return _push_route(servers, holders, records, start, end, lambda peer: rtts.get(peer, default_rtt), rtts)
 
     best: dict[int, tuple[float, int]] = {start: (0.0, 0)}
     previous: dict[int, tuple[int, str]] = {}
@@ -162,18 +201,21 @@ def find_route(
 _CLIENT = ""  # the "previous server" of a route's first span: the client (no peer id is empty)
 
 
-def one_way(records: Mapping[str, ServerInfo], rtt: Callable[[str], float], source: str, target: str) -> float:
+def one_way(records: Mapping[str, ServerInfo], rtt: Callable[[str], float], source: str, target: str,
+            measured_rtts: Mapping[str, float] | None = None) -> float:
     """Seconds a pushed step takes from server `source` to server `target`: half the round trip `source` announces
-    to `target` (ServerInfo.next_pings), else half the way through the client, (rtt(source) + rtt(target)) / 2."""
+    to `target` (ServerInfo.next_pings; no less than `believed_ping` allows with the client's `measured_rtts`), else
+    half the way through the client, (rtt(source) + rtt(target)) / 2."""
     announced = records[source].next_pings.get(target)
     if announced is not None:
-        return announced / 2
+        measured_rtts = measured_rtts or {}
+        return believed_ping(announced, measured_rtts.get(source), measured_rtts.get(target)) / 2
     return (rtt(source) + rtt(target)) / 2
 
 
 def _push_route(
     servers: Mapping[str, _Server], holders: Mapping[int, list[str]], records: Mapping[str, ServerInfo], start: int,
-    end: int, rtt: Callable[[str], float],
+    end: int, rtt: Callable[[str], float], measured_rtts: Mapping[str, float],
 ) -> list[Span] | None:
     """Dijkstra over states (block boundary, previous server) for a push route; see the module docstring.
 
@@ -211,7 +253,7 @@ def _push_route(
         for peer in holders.get(node, []):  # a new span starts at `node`
             if peer != prev:
                 server = servers[peer]
-                link = rtt(peer) / 2 if prev == _CLIENT else one_way(records, rtt, prev, peer)
+                link = rtt(peer) / 2 if prev == _CLIENT else one_way(records, rtt, prev, peer, measured_rtts)
                 relax((node + 1, peer), cost + link + server.fixed + server.per_block, hops + 1, state)
     return None
 
@@ -243,14 +285,16 @@ def sample_route(
     banned: frozenset[str] | set[str] = frozenset(),
     adapter: str | None = None,
     allowed_quant: Collection[str] | None = None,
+    measured: Mapping[str, float] | None = None,
 ) -> list[Span] | None:
     """A chain covering [start, end) for a stateless pass, or None when some block has no usable server.
 
-    From the first uncovered block, a server holding it is drawn with probability proportional to its throughput
-    and serves as far as it reaches (up to `end`); so the load of many passes spreads over the servers in
-    proportion to their speed. Deterministic for a given `rng` state. With an `adapter`, only servers announcing
-    that LoRA adapter are used.
+    From the first uncovered block, a server holding it is drawn with probability proportional to its believed
+    throughput (`believed_throughput` with the client's `measured` speeds) and serves as far as it reaches (up to
+    `end`); so the load of many passes spreads over the servers in proportion to their speed. Deterministic for a
+    given `rng` state. With an `adapter`, only servers announcing that LoRA adapter are used.
     """
+    measured = measured or {}
     _check_range(block_servers, start, end)
     spans: list[Span] = []
     block = start
@@ -258,7 +302,7 @@ def sample_route(
         candidates = list(usable_servers(block_servers, block, banned, adapter, allowed_quant))
         if not candidates:
             return None
-        weights = [max(info.throughput, 1e-9) for _, info in candidates]
+        weights = [max(believed_throughput(info.throughput, measured.get(peer)), 1e-9) for peer, info in candidates]
         peer, info = rng.choices(candidates, weights=weights)[0]
         stop = min(info.end_block, end)
         spans.append(Span(peer, block, stop))

@@ -9,6 +9,10 @@ Two kinds of failure are told apart:
   outright for at least `unreachable_ban` seconds, so a dead server whose DHT record has not expired yet costs
   one failed dial, and leads to `MissingBlocks` rather than a hang when nobody else holds its blocks. A later ping
   that gets an answer (the server is back from a network outage) lifts such a ban at once.
+
+What servers announce about their speed is weighed against what the client measures: sessions and forward passes
+report each span's time (`observe`), and routes believe an announced throughput only up to a small factor of the
+measured one (client.routing, "What a server announces about itself").
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from corolla.client.config import ClientConfig
-from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks, usable_servers
+from corolla.client.routing import Span, find_route, measured_speed, sample_route, uncovered_blocks, usable_servers
 from corolla.dht import SwarmNode, fetch_block_servers
 from corolla.dht.ping import ping, smooth
 from corolla.protocol.errors import AllocationFailed, MissingBlocks, PeerUnavailable, PeerUnreachable, RemoteError
@@ -55,6 +59,7 @@ class SequenceManager:
         self.block_servers: list[dict[str, ServerInfo]] = [{} for _ in range(num_blocks)]
         self.last_update = -float("inf")
         self.rtts: dict[str, float] = {}  # peer id -> smoothed round trip, seconds
+        self.speeds: dict[str, float] = {}  # peer id -> smoothed measured throughput, tokens/s per block
         self._measured_at: dict[str, float] = {}
         self._bans: dict[str, _Ban] = {}
         # spot checks (client.spot_checks): peers caught returning wrong outputs, never routed through again
@@ -75,7 +80,8 @@ class SequenceManager:
             if not force and not self._stale and time.monotonic() - self.last_update < self.config.update_period:
                 return
             first = self.last_update == -float("inf")
-            self.block_servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_blocks))
+            self.block_servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_blocks),
+                                                           prefer=self.rtts.keys())
             self.last_update = time.monotonic()
             self._stale = False
             logger.debug("swarm view updated: %s", [len(s) for s in self.block_servers])
@@ -114,6 +120,15 @@ class SequenceManager:
             del self._bans[peer_id]
         self.rtts[peer_id] = smooth(self.rtts.get(peer_id), sample)
         self._measured_at[peer_id] = time.monotonic()
+
+    def observe(self, peer_id: str, seconds: float, blocks: int, tokens: int) -> None:
+        """Record that a step of `tokens` tokens (batch x positions) through `blocks` blocks of `peer_id` took
+        `seconds` as the client saw it (network included): routes then price the peer at no more than a small factor
+        of the throughput this shows (client.routing.believed_throughput). Steps no longer than the round trip to the
+        peer tell nothing and are ignored. Pure bookkeeping: never raises, never blocks."""
+        sample = measured_speed(seconds, self.rtts.get(peer_id), blocks, tokens)
+        if sample is not None:
+            self.speeds[peer_id] = smooth(self.speeds.get(peer_id), sample)
 
     def _announced_maddrs(self, peer_id: str) -> tuple[str, ...]:
         for servers in self.block_servers:
@@ -208,7 +223,7 @@ class SequenceManager:
                 self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
                 hop_cost=self.config.hop_cost, rtts=self.rtts, default_rtt=self.config.default_rtt,
                 adapter=adapter, allowed_quant=self.config.allowed_quant, relay_cost=self.config.relay_cost,
-                push=push,
+                push=push, measured=self.speeds,
             )
 
         return await self._route(start, end, plan, adapter)
@@ -217,7 +232,7 @@ class SequenceManager:
         """A chain for a stateless forward/backward pass, drawn in proportion to server throughput."""
         return await self._route(start, end, lambda banned: sample_route(
             self.block_servers, start, end, self._rng, banned=banned, adapter=self.config.active_adapter,
-            allowed_quant=self.config.allowed_quant), self.config.active_adapter)
+            allowed_quant=self.config.allowed_quant, measured=self.speeds), self.config.active_adapter)
 
     async def _route(self, start: int, end: int, plan, adapter: str | None) -> list[Span]:
         """plan(banned) with every ban, else with only unreachable peers excluded; waits up to missing_blocks_wait

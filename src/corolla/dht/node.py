@@ -14,6 +14,10 @@ How a node meets the network (all off the defaults' path to the internet: no IPF
   peers and announce it (see the README, "Across real networks", for what the bundled p2pd needs for that);
 - `swarm_key`: a private swarm: every DHT RPC is MAC'ed with the key, and the node answers membership challenges
   (see corolla.membership); `node.gate.authorize(peer_id)` tells whether a peer holds the key.
+
+Every node, whatever its role, holds DHT records by corolla's rules: records signed by and bound to their writer's
+peer id (dht.signed_records, as hivemind's record validator), kept by dht.record_storage (no plain values, bounded
+expirations, replays never cut a newer record short, a bounded number of writers per key), read by dht.lookup.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.dht.identity import ephemeral_identity, load_or_create_identity
 from corolla.dht.maddrs import circuit_maddrs, dialable, peer_id_of, to_daemon_bytes
+from corolla.dht.record_storage import CACHE_KEYS, RecordStorage, adopt
+from corolla.dht.signed_records import SignedRecordValidator
 from corolla.dht.watch import SwarmWatch
 from corolla.membership import MembershipGate, SwarmKey, SwarmKeyAuthorizer, serve_proofs
 from corolla.protocol.signing import PeerKey
@@ -175,7 +181,8 @@ async def create_swarm_node(
         authorizer = SwarmKeyAuthorizer(swarm_key) if swarm_key is not None else None
         try:
             dht = await DHTNode.create(p2p=p2p, initial_peers=peers or None, client_mode=client_mode, num_workers=4,
-                                       authorizer=authorizer)
+                                       authorizer=authorizer, record_validator=SignedRecordValidator(key),
+                                       cache_size=CACHE_KEYS)
         except RuntimeError as e:
             if "bootstrap failed" not in str(e):
                 raise
@@ -183,6 +190,7 @@ async def create_swarm_node(
                 f"DHT bootstrap failed: none of the initial peers answered ({' '.join(peers)}): they are unreachable "
                 f"from here, or the swarm is private and {'our swarm key differs' if swarm_key else 'we have no swarm key'}"
             ) from e
+        install_record_storage(dht)
     except BaseException:
         await p2p.shutdown()
         raise
@@ -190,6 +198,15 @@ async def create_swarm_node(
     logger.debug("dht node started peer_id=%s client_mode=%s private=%s relays=%d", node.peer_id, client_mode,
                  gate is not None, len(relays))
     return node
+
+
+def install_record_storage(dht: DHTNode) -> None:
+    """Make `dht` keep records by corolla's rules (dht.record_storage), keeping what peers stored meanwhile."""
+    protocol = dht.protocol
+    storage, cache = RecordStorage(), RecordStorage(maxsize=CACHE_KEYS)
+    adopt(protocol.storage, storage)
+    adopt(protocol.cache, cache)
+    protocol.storage, protocol.cache = storage, cache
 
 
 def _full_maddrs(maddrs: Sequence[str], what: str) -> list[str]:

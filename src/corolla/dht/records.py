@@ -1,20 +1,38 @@
-"""DHT records: key `"{prefix}.{block}"`, subkey = server peer id, value = ServerInfo (as a plain dict)."""
+"""DHT records: key `"{prefix}.{block}"`, subkey = server peer id, value = ServerInfo (as a plain dict).
+
+Records are signed by their server and bound to its peer id (dht.signed_records): a node can announce only itself.
+Readers keep at most MAX_SERVERS_PER_BLOCK records per block, so a flood of records under fresh peer ids costs a
+reader a bounded amount of work (the storing nodes bound a key's writers too: dht.record_storage).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
-from typing import Sequence
+import secrets
+from typing import Collection, Sequence
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
-from corolla.dht.model_index import MODEL_INDEX_KEY, ModelRecord
+from corolla.dht.lookup import lookup
+from corolla.dht.model_index import MODEL_INDEX_KEY, IndexEntry, ModelRecord
+from corolla.dht.record_storage import MAX_RECORD_LIFETIME, MAX_SUBKEYS_PER_KEY
 from corolla.protocol.messages import ServerInfo
 
 logger = logging.getLogger(__name__)
+
+MAX_SERVERS_PER_BLOCK = MAX_SUBKEYS_PER_KEY  # records a reader keeps per block (the peers it prefers first)
+
+
+_SALT = secrets.token_bytes(16)  # this process's draw of which records to keep when a block holds too many
+
+
+def _drawn(peer: str) -> bytes:
+    return hashlib.sha256(_SALT + peer.encode(errors="replace")).digest()
 
 
 def model_dht_prefix(model: str) -> str:
@@ -34,36 +52,46 @@ def block_key(prefix: str, block: int) -> str:
 async def announce_blocks(
     dht: DHTNode, prefix: str, peer_id: str, info: ServerInfo, expiration_s: float, model: ModelRecord | None = None
 ) -> bool:
-    """Store `info` under every block of info's range, and `model` (if given) in the swarm's model index under
-    `prefix` (see dht.model_index), in one DHT round; returns True when all stores succeeded."""
-    expiration = get_dht_time() + expiration_s
+    """Store `info` under every block of info's range (subkey `peer_id`: the node's own, the only one it can sign
+    for), and `model` (if given) as this server's entry in the swarm's model index (see dht.model_index), in one DHT
+    round; returns True when every block record was stored (the index entry is best effort: a full index must not
+    make a server re-announce in a loop). `expiration_s` is capped at the longest lifetime DHT nodes accept."""
+    if expiration_s > MAX_RECORD_LIFETIME:
+        logger.warning("record expiration %.0fs capped at %.0fs (DHT nodes refuse longer ones)", expiration_s,
+                       MAX_RECORD_LIFETIME)
+    expiration = get_dht_time() + min(expiration_s, MAX_RECORD_LIFETIME)
     keys = [block_key(prefix, b) for b in range(info.start_block, info.end_block)]
     values: list[object] = [info.model_dump(mode="json")] * len(keys)
-    subkeys = [peer_id] * len(keys)
     if model is not None:
         keys.append(MODEL_INDEX_KEY)
-        values.append(model.model_dump(mode="json"))
-        subkeys.append(prefix)
-    results = await dht.store_many(keys, values, expiration, subkeys=subkeys)
-    return all(results.values())
+        values.append(IndexEntry(prefix=prefix, **model.model_dump()).model_dump(mode="json"))
+    results = await dht.store_many(keys, values, expiration, subkeys=[peer_id] * len(keys))
+    if model is not None and not results.get((MODEL_INDEX_KEY, peer_id), False):
+        logger.debug("the model index entry was not stored")
+    return all(ok for (key, _), ok in results.items() if key != MODEL_INDEX_KEY)
 
 
 async def fetch_block_servers(
-    dht: DHTNode, prefix: str, blocks: Sequence[int]
+    dht: DHTNode, prefix: str, blocks: Sequence[int], prefer: Collection[str] = (),
+    max_servers: int = MAX_SERVERS_PER_BLOCK,
 ) -> list[dict[str, ServerInfo]]:
-    """For each block, the servers that announced it (peer id -> ServerInfo), dropping malformed records."""
+    """For each block, the servers that announced it (peer id -> ServerInfo), read fresh from the DHT (dht.lookup),
+    dropping malformed records. Over `max_servers` records under one block, the peers in `prefer` (e.g. the ones
+    that answered before) are kept first, then the others in an order drawn once per process (peer ids or
+    expirations chosen by a writer cannot put it first)."""
     keys = [block_key(prefix, b) for b in blocks]
-    # an infinite sufficient expiration asks the peers, not our local cache: a fresh view of the swarm
-    found = await dht.get_many(keys, sufficient_expiration_time=float("inf")) if keys else {}
+    found = await lookup(dht, keys) if keys else {}
     out: list[dict[str, ServerInfo]] = []
     for key in keys:
+        records = found.get(key, {})
+        kept = sorted(records, key=lambda peer: (peer not in prefer, _drawn(peer)))[:max_servers]
+        if len(records) > max_servers:
+            logger.debug("key %s holds %d records; reading %d", key, len(records), max_servers)
         servers: dict[str, ServerInfo] = {}
-        entry = found.get(key)
-        if entry is not None and isinstance(entry.value, dict):
-            for subkey, item in entry.value.items():
-                try:
-                    servers[str(subkey)] = ServerInfo.model_validate(item.value)
-                except (ValidationError, AttributeError, TypeError) as e:
-                    logger.debug("ignoring malformed record key=%s peer=%s error=%s", key, subkey, e)
+        for peer in sorted(kept):
+            try:
+                servers[peer] = ServerInfo.model_validate(records[peer][0])
+            except (ValidationError, TypeError) as e:
+                logger.debug("ignoring malformed record key=%s peer=%s error=%s", key, peer, e)
         out.append(servers)
     return out

@@ -3,16 +3,23 @@
 `corolla status` and the monitor page both call `collect_state`, so they always agree: a server counts for a
 block only if its state is ONLINE and it answered the ping. Which state and blocks a server has comes from its
 own rpc_info answer when it gave one (fresher than its record), otherwise from its DHT record.
+
+The model index and the block records are remote input that anyone can add to, so one look costs a bounded amount
+of work (`plan_reads`): the models read in order (the ones whose servers answered at the last look, then the ones
+with an announcer that answers a ping now, then the most announced), at most `max_block_reads` block keys in all,
+a model that does not fit left out; no further model is started once `read_time` seconds are spent; at most
+MAX_PINGS servers pinged, all at once (one ping timeout in all). Announcers that did not answer are not asked again
+for SILENT_RETRY seconds. A flood of fake index entries therefore costs one index read, some parsing and pings that
+fail at once, and a monitor keeps refreshing on schedule.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from typing import Mapping
+from typing import Collection, Mapping
 
-from corolla.dht import SwarmNode, fetch_block_servers, fetch_models
+from corolla.dht import IndexedModel, SwarmNode, fetch_block_servers, fetch_models
 from corolla.monitor.coverage import capacity, coverage_counts, format_ranges, missing_ranges, served_tokens_per_s
 from corolla.monitor.liveness import Liveness, ping_servers
 from corolla.monitor.schema import UNREACHABLE, ModelView, ServerView, SwarmState
@@ -22,6 +29,9 @@ from corolla.protocol.messages import ServerInfo, ServerState
 logger = logging.getLogger(__name__)
 
 SCAN_BLOCKS = 256  # keys read for a model whose block count nobody told us
+MAX_BLOCK_READS = 1024  # block keys read per look at the swarm, all models together
+MAX_PINGS = 256  # servers pinged per look (the ones that answered before first), and index announcers probed
+SILENT_RETRY = 60.0  # seconds before an index announcer that did not answer is probed again
 _RECORD_FIELDS = set(ServerView.model_fields) - {"state"}  # what a view copies from a server's ServerInfo
 _STATE_RANK = {ServerState.ONLINE: 0, ServerState.JOINING: 1, ServerState.OFFLINE: 2}
 
@@ -34,31 +44,89 @@ async def collect_state(
     max_pings: int = 32,
     refresh_period: float = 0.0,
     tracker: PeerTracker | None = None,
+    max_block_reads: int = MAX_BLOCK_READS,
+    read_time: float = 10.0,
 ) -> SwarmState:
     """The swarm as seen now.
 
     `models`: DHT prefix -> number of blocks (None: the model index's count, else scan up to SCAN_BLOCKS keys and
-    stop at the last one found); by default every model in the swarm's model index (dht.model_index). `tracker` carries uptimes and decode
-    counters from one call to the next (a fresh one knows neither). Never raises for a server's failure; DHT
-    errors propagate.
+    stop at the last one found), all read whatever `max_block_reads` says; by default every model in the swarm's
+    model index (dht.model_index), within the bounds. `tracker` carries uptimes and decode counters from one call to
+    the next (a fresh one knows neither) and which models and servers answered at the last look (read first).
+    `max_block_reads` and `read_time` (seconds) bound the DHT reads, see the module docstring. Never raises for a
+    server's failure; DHT errors propagate.
     """
-    index = await fetch_models(node.dht)
+    tracker = tracker if tracker is not None else PeerTracker()
+    index = await fetch_models(node.dht, prefer=tracker.live_models)
     wanted: Mapping[str, int | None] = models if models is not None else dict.fromkeys(index)
     counts = {p: n if n is not None or p not in index else index[p].num_blocks for p, n in wanted.items()}
-    prefixes = sorted(counts)
-    reads = [fetch_block_servers(node.dht, p, range(counts[p] or SCAN_BLOCKS)) for p in prefixes]
-    per_model = list(await asyncio.gather(*reads))
-    peers = {peer for per_block in per_model for by_peer in per_block for peer in by_peer}
-    liveness = await ping_servers(node.p2p, peers, ping_timeout, max_pings)
+    priority = {prefix: len(index) - rank for rank, prefix in enumerate(index)}  # the most announced first
+    num_keys = {p: n or SCAN_BLOCKS for p, n in counts.items()}
+    budget = max_block_reads if models is None else sum(num_keys.values())  # models asked for are all read
+    known = tracker.known_peers
+    liveness = await _probe_announcers(node, index, counts, tracker, ping_timeout)
+    answered = {p for p in counts if p in index and any(liveness.get(a, _SILENT).reachable for a in index[p].announcers)}
+    plan = plan_reads(num_keys, priority, tracker.live_models | answered, budget)
+    deadline = time.monotonic() + read_time
+    per_model: dict[str, list[dict[str, ServerInfo]]] = {}
+    for prefix, keys in plan:
+        if per_model and time.monotonic() > deadline:
+            logger.debug("read time spent: %d model(s) left out of this look", len(plan) - len(per_model))
+            break
+        per_model[prefix] = await fetch_block_servers(node.dht, prefix, range(keys), prefer=known)
+    peers = {peer for per_block in per_model.values() for by_peer in per_block for peer in by_peer}
+    pinged = sorted(peers - set(liveness), key=lambda peer: (peer not in known, peer))[:MAX_PINGS]
+    liveness |= await ping_servers(node.p2p, pinged, ping_timeout, max_pings)
     now = time.time()
-    tracker = tracker if tracker is not None else PeerTracker()
     views = []
-    for prefix, per_block in zip(prefixes, per_model):
+    for prefix in sorted(per_model):
+        per_block = per_model[prefix]
         num_blocks = counts[prefix] or max([b + 1 for b, by_peer in enumerate(per_block) if by_peer] or [0])
         model_type = index[prefix].model_type if prefix in index else ""
         views.append(model_view(prefix, model_type, num_blocks, per_block, liveness, tracker, now))
     tracker.retain(peers)
+    tracker.live_models = {view.dht_prefix for view in views if view.servers_online}
     return SwarmState(updated_at=now, refresh_period=refresh_period, monitor_peer_id=node.peer_id, models=views)
+
+
+_SILENT = Liveness(False, error="not probed")
+
+
+async def _probe_announcers(node: SwarmNode, index: Mapping[str, IndexedModel], wanted: Collection[str],
+                            tracker: PeerTracker, timeout: float) -> dict[str, Liveness]:
+    """Ping one announcer of each wanted model in the index that had no server answering at the last look (one that
+    answered before if any, else the first one not silent lately); at most MAX_PINGS, all at once."""
+    now, known = time.time(), tracker.known_peers
+    silent = tracker.silent_since(now, SILENT_RETRY)
+    probes = []
+    for prefix in wanted:
+        if prefix in index and prefix not in tracker.live_models:
+            candidates = [a for a in index[prefix].announcers if a not in silent]
+            if candidates:
+                probes.append(next((a for a in candidates if a in known), candidates[0]))
+    probes = sorted(set(probes))[:MAX_PINGS]
+    liveness = await ping_servers(node.p2p, probes, timeout, max(1, len(probes))) if probes else {}
+    for peer, live in liveness.items():
+        if not live.reachable:
+            tracker.silent[peer] = now
+    return liveness
+
+
+def plan_reads(
+    num_keys: Mapping[str, int], priority: Mapping[str, int], live: Collection[str], max_keys: int,
+) -> list[tuple[str, int]]:
+    """Which models to read, in order, and how many block keys each: the models in `live` first, then by `priority`
+    (higher first; 0 when absent), then by fewer keys and by prefix; a model whose keys do not fit in what is left
+    of `max_keys` is left out. Pure."""
+    order = sorted(num_keys, key=lambda p: (p not in live, -priority.get(p, 0), num_keys[p], p))
+    plan, left = [], max_keys
+    for prefix in order:
+        if 0 < num_keys[prefix] <= left:
+            plan.append((prefix, num_keys[prefix]))
+            left -= num_keys[prefix]
+        else:
+            logger.debug("not reading model %s: %d block keys, %d left in this look", prefix, num_keys[prefix], left)
+    return plan
 
 
 def model_view(

@@ -10,6 +10,10 @@ from importlib import resources
 from corolla.monitor.schema import SwarmState
 
 CHAT_MAX_TOKENS = 256  # tokens the chat box asks for per reply
+# Announced strings (a model_type, an adapter's name) are remote input embedded in a <script> element: "</script>"
+# would end it and "<!--<script>" would make the HTML parser swallow the page's own script after it. These
+# characters only ever occur inside JSON strings, where their \u escapes mean the same to JSON.parse.
+_SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 @lru_cache(maxsize=1)
@@ -29,5 +33,9 @@ def render_page(state: SwarmState | None, *, state_url: str, refresh_period: flo
         "chat_max_tokens": CHAT_MAX_TOKENS,
         "initial_state": None if state is None else state.model_dump(mode="json"),
     }
-    # "</" inside a <script> element would end it early; JSON allows escaping the slash
-    return _template().replace("__PAGE_CONFIG__", json.dumps(config).replace("</", "<\\/"))
+    return _template().replace("__PAGE_CONFIG__", script_safe_json(config))
+
+
+def script_safe_json(value: object) -> str:
+    """JSON of `value` safe to embed in an HTML <script> element: no <, >, &, U+2028 or U+2029 left in it."""
+    return json.dumps(value).translate(_SCRIPT_SAFE)

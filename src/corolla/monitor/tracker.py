@@ -1,4 +1,5 @@
-"""What a monitor remembers about each server between refreshes: since when it answers, and its last counters."""
+"""What a monitor remembers between refreshes: since when each server answers, its last counters, which models had
+a server answering, and which announcers of the model index did not answer lately (not asked again for a while)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ class PeerTracker:
 
     def __init__(self) -> None:
         self._seen: dict[str, _Seen] = {}
+        self.live_models: set[str] = set()  # DHT prefixes with a server that answered at the last look
+        self.silent: dict[str, float] = {}  # index announcer -> unix time it last failed to answer
+
+    @property
+    def known_peers(self) -> frozenset[str]:
+        """Servers that answered at the last look (read and pinged first at the next)."""
+        return frozenset(self._seen)
 
     def observe(self, peer_id: str, now: float, reachable: bool, decode_steps: int | None) -> tuple[float | None, float | None]:
         """Record one refresh's result for `peer_id`; returns (uptime seconds, decode steps/s), None where unknown."""
@@ -37,6 +45,11 @@ class PeerTracker:
             rate = (steps - last.decode_steps) / (now - last.at)
         last.at, last.decode_steps = now, steps
         return now - last.since, rate
+
+    def silent_since(self, now: float, retry: float) -> set[str]:
+        """Announcers that failed to answer within the last `retry` seconds (the others are forgotten)."""
+        self.silent = {peer: t for peer, t in self.silent.items() if now - t < retry}
+        return set(self.silent)
 
     def retain(self, peer_ids: set[str]) -> None:
         """Forget every server not in `peer_ids` (its record expired)."""
