@@ -56,6 +56,9 @@ class ApiConfig:
     )
     max_n: int = field(default=16, metadata=_opt("largest `n` (choices per prompt) a request may ask for"))
     request_timeout: float = field(default=60.0, metadata=_opt("seconds one step through the swarm may take"))
+    compression: str = field(default="none", metadata=_opt(
+        "how hidden states travel through the swarm: none (exact), bf16, fp16, int8, 4bit (protocol.codecs)",
+        choices=("none", "bf16", "fp16", "int8", "4bit")))
     alloc_timeout: float = field(
         default=10.0, metadata=_opt("seconds a new session may wait in a full server's allocation queue")
     )

@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     client_config = ClientConfig(initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
                                  swarm_key=config.swarm_key,
-                                 request_timeout=config.request_timeout, alloc_timeout=config.alloc_timeout)
+                                 request_timeout=config.request_timeout, alloc_timeout=config.alloc_timeout,
+                                 compression=config.compression)
     model = AutoDistributedModelForCausalLM.from_pretrained(config.model, client_config=client_config,
                                                             torch_dtype=getattr(torch, config.dtype))
     engine = monitor = None
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         engine = BatchedEngine(model, tokenizer, config, ApiMetrics(), max_length)
         engine.start()
         app = build_app(engine, config, keys)
-        monitor = _start_monitor(app, model, engine)
+        monitor = _start_monitor(app, config, engine)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE))
         host, port = sock.getsockname()[:2]
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         logger.info("stopped")
     finally:
         if monitor is not None:
-            monitor.cancel()
+            monitor.stop()
         if engine is not None:
             engine.close()
         model.shutdown()
@@ -101,24 +102,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_monitor(app, model, engine):
+def _start_monitor(app, config: ApiConfig, engine):
     """Serve the swarm monitor's page (/, with a chat box streaming from this API) and its JSON (/api/v1/state)
-    from the API's app, its gauges in the API's /metrics. The monitor refreshes on the client's event loop, through
-    the model's own DHT node; returns that refresh task's future (cancel it on shutdown)."""
-    from corolla.client.event_loop import get_loop, run_sync
+    from the API's app, its gauges in the API's /metrics. The monitor refreshes on a DHT node and event loop of its
+    own (monitor.source.MonitorThread), so however much a swarm's records cost to read, the loop that drives
+    inference never waits on them; returns the thread's handle (stop() it on shutdown)."""
+    from corolla.membership import load_swarm_key
     from corolla.monitor.app import add_monitor_routes
     from corolla.monitor.config import MonitorConfig
     from corolla.monitor.prometheus import SwarmCollector
-    from corolla.monitor.source import SwarmMonitor
+    from corolla.monitor.source import MonitorThread
 
-    monitor = SwarmMonitor(model.transformer.manager.node, MonitorConfig())
-    try:
-        run_sync(monitor.refresh(), timeout=30)  # the first page view then has data
-    except Exception as e:  # the swarm may be unreachable now; the monitor retries every refresh period
-        logger.warning("first swarm refresh for the monitor page failed: %r", e)
+    swarm_key = load_swarm_key(config.swarm_key) if config.swarm_key else None
+    handle = MonitorThread(config.initial_peers, MonitorConfig(initial_peers=tuple(config.initial_peers)), swarm_key)
+    monitor = handle.start()
     add_monitor_routes(app, monitor, chat_url="/v1/chat/completions", metrics=False)
     engine.metrics.registry.register(SwarmCollector(monitor))
-    return asyncio.run_coroutine_threadsafe(monitor.run(), get_loop())
+    return handle
 
 
 def _default_max_length(model) -> int:
