@@ -43,15 +43,9 @@ from corolla.dht.signed_records import seal
 from corolla.membership import SwarmKey
 from corolla.protocol.messages import ServerInfo, ServerState
 from corolla.protocol.signing import PeerKey
+from corolla.testing.results import AttackResult
 
 BATCH = 256  # records per hand-made store request
-
-
-@dataclass(frozen=True)
-class AttackResult:
-    attack: str
-    succeeded: bool  # the attack did what it wanted (a security failure)
-    details: str
 
 
 @asynccontextmanager

@@ -22,7 +22,6 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -33,19 +32,13 @@ from corolla.client.server_info import request_info
 from corolla.protocol import PROTOCOL_VERSION, rpc_handler_name
 from corolla.protocol.framing import HEADER_LEN_BYTES, LEN_BYTES, MAX_HEADER_BYTES, abort_stream, write_frame
 from corolla.protocol.messages import MAX_BATCH_SIZE, MAX_PROBE_BYTES, BlockRange, ForwardRequest, InfoReply, OpenSession, ProbeRequest
+from corolla.testing.results import AttackResult
 
 logger = logging.getLogger(__name__)
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 OPEN_TIMEOUT = 30.0  # seconds to open one stream
 CONCURRENT_OPENS = 32  # streams opened at once by a flood
-
-
-@dataclass(frozen=True)
-class AttackResult:
-    attack: str
-    succeeded: bool  # True: the server was hurt beyond its per-peer limits (the attack worked)
-    details: str
 
 
 # ---------------------------------------------------------------- raw streams
