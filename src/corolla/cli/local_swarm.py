@@ -56,9 +56,9 @@ class LocalSwarm:
         self.processes: list[LocalProcess] = []
         self.initial_peers: list[str] = []
 
-    def start_dht(self, timeout: float = 60.0) -> list[str]:
-        """Start `corolla dht` and return its multiaddrs (read from its stdout)."""
-        proc = self._spawn("dht", ["dht", "--host", "127.0.0.1"])
+    def start_dht(self, timeout: float = 60.0, args: Sequence[str] = ()) -> list[str]:
+        """Start `corolla dht ARGS` and return its multiaddrs (read from its stdout)."""
+        proc = self._spawn("dht", ["dht", "--host", "127.0.0.1", *args])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             maddrs = [line for line in list(proc.log) if line.startswith("/ip4/") and "/p2p/" in line]

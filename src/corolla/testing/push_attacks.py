@@ -90,3 +90,26 @@ async def push_directly(node: SwarmNode, victim: str, secret: str, hidden: torch
     finally:
         writer.close()
 
+
+
+async def unauthorized_push_frames(node: SwarmNode, victim: str, frames: int = 4, announced: int = 128 << 20,
+                                   sent: int = 1 << 20, timeout: float = 20.0) -> str:
+    """Open `frames` rpc_push streams to the victim, each announcing a frame of `announced` bytes and sending `sent`
+    of them, from a peer no session names: a server that read such frames before authorizing them would hold
+    frames x announced bytes. Returns the server's answers, joined."""
+    streams = [await _stream(node, victim, "push") for _ in range(frames)]
+    answers = []
+    try:
+        for _, writer in streams:
+            writer.write(announced.to_bytes(8, "big") + b"\0" * sent)
+        for reader, writer in streams:
+            try:
+                await writer.drain()
+                reply, _ = await asyncio.wait_for(read_frame(reader), timeout)
+                answers.append(_describe(reply))
+            except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
+                answers.append(f"no answer ({type(e).__name__})")
+    finally:
+        for _, writer in streams:
+            writer.close()
+    return "; ".join(answers)
