@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from corolla.cli.common import add_initial_peers_argument
+
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="HF repo id or local directory of the checkpoint (only its head is loaded)")
-    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers of the swarm")
+    add_initial_peers_argument(p, "multiaddrs of DHT peers of the swarm", required=True, default=None)
     p.add_argument("--dht-prefix", default=None, help="DHT namespace of the model (default: its name)")
     p.add_argument("--swarm-key", default=None, help="private swarm: the swarm key file (`corolla swarm-key PATH`)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
