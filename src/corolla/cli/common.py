@@ -1,7 +1,9 @@
-"""Helpers shared by the CLI commands: logging set-up and running a coroutine until a signal."""
+"""Helpers shared by the CLI commands: logging set-up, the `--initial-peers` option and running a coroutine until a
+signal."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -22,6 +24,29 @@ def setup_logging(verbosity: int = 0) -> None:
     # hivemind installs its own handler on import; keep its chatter out of our output
     logging.getLogger("hivemind").setLevel(logging.ERROR)
     logging.getLogger("hivemind").propagate = False
+
+
+class _MultiaddrList(argparse.Action):
+    """`--initial-peers ADDR[,ADDR...]`, repeatable: every use adds its comma-separated multiaddrs, in order.
+
+    One value per use (never nargs="+"), so a positional argument after the option stays positional:
+    `corolla generate MODEL --initial-peers ADDR "prompt"`."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        given = [part.strip() for part in str(values).split(",") if part.strip()]
+        if not given:
+            parser.error(f"{option_string} needs a multiaddr, e.g. /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...")
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *given])
+
+
+def add_initial_peers_argument(parser: argparse.ArgumentParser, help: str, required: bool = False,
+                               default: object = argparse.SUPPRESS) -> None:
+    """Declare `--initial-peers` (dest `initial_peers`, a list of multiaddrs): one value that may be comma-separated,
+    repeatable. The one declaration every command uses (directly or through cli.dataclass_args)."""
+    parser.add_argument("--initial-peers", dest="initial_peers", action=_MultiaddrList, metavar="ADDR[,ADDR...]",
+                        required=required, default=default,
+                        help=f"{help}; comma-separated, or give the option again for more")
 
 
 def run_until_signal(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
