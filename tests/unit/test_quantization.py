@@ -112,6 +112,18 @@ def test_quantized_block_decodes_with_a_kv_cache_as_it_runs_the_whole_sequence(m
     assert torch.allclose(torch.cat(steps, dim=1), block(x), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_nf4_block_with_odd_widths_runs_on_any_cpu(dtype: torch.dtype) -> None:
+    # the demo model's shape: an MLP 688 wide, which bitsandbytes' AVX512-BF16 repacking of nf4 weights cannot take
+    config = LlamaConfig(hidden_size=64, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=16)
+    torch.manual_seed(0)
+    block = quantize_block(get_family(config).block_class(config, 0).to(dtype).eval(), "nf4", "cpu", dtype)
+    with torch.inference_mode():  # inputs without grad: what triggers bitsandbytes' repacking
+        out = block(torch.randn(1, 3, 64, dtype=dtype), None, 0)
+    assert out.shape == (1, 3, 64) and torch.isfinite(out.float()).all()
+
+
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 @torch.no_grad()
 def test_quantized_block_computes_in_bfloat16(mode: str) -> None:

@@ -94,6 +94,11 @@ def _quantized_linear(weight: Tensor, bias: Tensor | None, mode: QuantMode, devi
                                   compress_statistics=True, quant_type="nf4", device="meta")
         layer.weight = bnb.nn.Params4bit(staged, requires_grad=False, blocksize=NF4_BLOCKSIZE,
                                          compress_statistics=True, quant_type="nf4").to(device)
+        # on AVX512-BF16 CPUs bitsandbytes repacks nf4 weights at the first forward, in blocks of 32 output rows and of
+        # whole quantization blocks along the input, and fails on other shapes (the demo model's MLP is 688 wide):
+        # such layers take its plain path
+        if out_features % 32 or in_features % NF4_BLOCKSIZE:
+            layer.support_avx512bf16_for_cpu = False
     if bias is not None:
         layer.bias = nn.Parameter(bias.detach().to(device, compute_dtype), requires_grad=False)
     return layer
