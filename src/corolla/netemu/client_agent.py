@@ -81,6 +81,8 @@ def handle(command: dict, model, manager, run_sync, torch) -> dict:
         return {"route": [[span.peer_id, span.start, span.end] for span in route]}
     if op == "timed_decode":
         return timed_decode(model, torch.tensor(command["ids"]), command["new_tokens"], command["repeats"], torch)
+    if op == "timed_prefill":
+        return timed_prefill(model, torch.tensor(command["ids"]), command["repeats"], torch)
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -110,6 +112,21 @@ def timed_decode(model, ids, new_tokens: int, repeats: int, torch) -> dict:
             per_token.append((done - first) / max(1, new_tokens - 1))
     return {"ttft_s": ttft, "decode_s_per_token": per_token, "exchanges_per_token": sorted(exchanges)[len(exchanges) // 2],
             "tokens": torch.cat(tokens, dim=1).tolist(), "route": route, "pushed_steps": pushed}
+
+
+def timed_prefill(model, ids, repeats: int, torch) -> dict:
+    """Time to first token of a fresh session per repeat (opening it, the prefill of `ids`, the client's head), and
+    the last position's final hidden state and greedy token of the last repeat (to compare codecs and chunkings)."""
+    ttft = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            with model.inference_session(max_length=ids.shape[1] + 1) as session:
+                hidden = session.step(model.head.embed(ids))[:, -1:]  # (B, 1, H)
+                token = model.head.logits(hidden).argmax(-1)
+                ttft.append(time.perf_counter() - begin)
+                pushed = session.pushed_steps
+    return {"ttft_s": ttft, "last_hidden": hidden[0, -1].tolist(), "token": token.tolist(), "pushed_steps": pushed}
 
 
 if __name__ == "__main__":
