@@ -1,5 +1,5 @@
-"""Helpers shared by the CLI commands: logging set-up, the `--initial-peers` option and running a coroutine until a
-signal."""
+"""Helpers shared by the CLI commands: logging set-up, the `--initial-peers` option, listening sockets of the HTTP
+commands, and running a coroutine until a signal."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from typing import Awaitable, Callable, TypeVar
 
@@ -67,3 +68,24 @@ def run_until_signal(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
         return await main(stop)
 
     return asyncio.run(runner())
+
+
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: the OS picks one), made before anything slow so that a taken port
+    fails at once; ValueError naming the address otherwise."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_host(host: str) -> str:
+    """`host` as a URL writes it (IPv6 addresses in brackets)."""
+    return f"[{host}]" if ":" in host else host
