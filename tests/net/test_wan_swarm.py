@@ -153,7 +153,7 @@ def test_server_reachable_only_through_a_relay_serves_a_session(tiny_llama_path,
         _, maddrs = start_dht(net, "relays", "--host", "0.0.0.0", "--relay", log=net_log)
         relays = [maddrs[0]]
         for i in range(3):
-            _, extra = start_dht(net, "relays", "--host", "0.0.0.0", "--relay", "--initial-peers", *maddrs,
+            _, extra = start_dht(net, "relays", "--host", "0.0.0.0", "--relay", "--initial-peers", ",".join(maddrs),
                                  label=f"relay-{i}", log=net_log)
             relays.append(extra[0])
         a = start_server(net, "a", tiny_llama_path, maddrs, "--blocks", "0:2", "--host", "0.0.0.0", label="server-a",

@@ -11,11 +11,11 @@ import argparse
 import asyncio
 import logging
 import signal
-import socket
 
 from corolla.api.auth import ApiKeys
 from corolla.api.config import ApiConfig
 from corolla.api.hosts import is_loopback
+from corolla.cli.common import listening_socket, url_host
 from corolla.cli.dataclass_args import add_dataclass_arguments, dataclass_from_args
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    sock = _bind(config.host, config.port)  # first, so a taken port fails before the model loads
+    sock = listening_socket(config.host, config.port)  # first, so a taken port fails before the model loads
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     client_config = ClientConfig(initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
                                  swarm_key=config.swarm_key,
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE))
         host, port = sock.getsockname()[:2]
-        url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+        url = f"http://{url_host(host)}:{port}/v1"
 
         async def serve() -> None:
             task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -140,19 +140,6 @@ def _default_max_length(model) -> int:
     return min([limit, *per_block])
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: the OS picks one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e}") from e
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def _interrupt_on(*signals: int) -> None:

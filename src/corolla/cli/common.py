@@ -1,10 +1,13 @@
-"""Helpers shared by the CLI commands: logging set-up and running a coroutine until a signal."""
+"""Helpers shared by the CLI commands: logging set-up, the `--initial-peers` option, listening sockets of the HTTP
+commands, and running a coroutine until a signal."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from typing import Awaitable, Callable, TypeVar
 
@@ -22,6 +25,29 @@ def setup_logging(verbosity: int = 0) -> None:
     # hivemind installs its own handler on import; keep its chatter out of our output
     logging.getLogger("hivemind").setLevel(logging.ERROR)
     logging.getLogger("hivemind").propagate = False
+
+
+class _MultiaddrList(argparse.Action):
+    """`--initial-peers ADDR[,ADDR...]`, repeatable: every use adds its comma-separated multiaddrs, in order.
+
+    One value per use (never nargs="+"), so a positional argument after the option stays positional:
+    `corolla generate MODEL --initial-peers ADDR "prompt"`."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        given = [part.strip() for part in str(values).split(",") if part.strip()]
+        if not given:
+            parser.error(f"{option_string} needs a multiaddr, e.g. /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...")
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *given])
+
+
+def add_initial_peers_argument(parser: argparse.ArgumentParser, help: str, required: bool = False,
+                               default: object = argparse.SUPPRESS) -> None:
+    """Declare `--initial-peers` (dest `initial_peers`, a list of multiaddrs): one value that may be comma-separated,
+    repeatable. The one declaration every command uses (directly or through cli.dataclass_args)."""
+    parser.add_argument("--initial-peers", dest="initial_peers", action=_MultiaddrList, metavar="ADDR[,ADDR...]",
+                        required=required, default=default,
+                        help=f"{help}; comma-separated, or give the option again for more")
 
 
 def run_until_signal(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
@@ -42,3 +68,24 @@ def run_until_signal(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
         return await main(stop)
 
     return asyncio.run(runner())
+
+
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: the OS picks one), made before anything slow so that a taken port
+    fails at once; ValueError naming the address otherwise."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_host(host: str) -> str:
+    """`host` as a URL writes it (IPv6 addresses in brackets)."""
+    return f"[{host}]" if ":" in host else host

@@ -8,6 +8,8 @@ import types
 import typing
 from typing import Any, TypeVar
 
+from corolla.cli.common import add_initial_peers_argument
+
 T = TypeVar("T")
 
 
@@ -26,6 +28,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, skip: tu
             continue
         flag = "--" + field.name.replace("_", "-")
         default = field.default if field.default is not dataclasses.MISSING else None
+        if field.name == "initial_peers":  # every command's --initial-peers is declared in one place
+            add_initial_peers_argument(parser, help_text)
+            continue
         if base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
         elif typing.get_origin(base) is tuple or base is tuple:

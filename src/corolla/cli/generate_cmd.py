@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from corolla.cli.common import add_initial_peers_argument
 from corolla.protocol.codecs import CODECS
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -12,7 +13,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="HF repo id or local directory of the checkpoint (only its head is loaded)")
-    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers of the swarm")
+    add_initial_peers_argument(p, "multiaddrs of DHT peers of the swarm", required=True, default=None)
     p.add_argument("--dht-prefix", default=None, help="DHT namespace of the model (default: its name)")
     p.add_argument("--swarm-key", default=None, help="private swarm: the swarm key file (`corolla swarm-key PATH`)")
     p.add_argument("--compression", default="none", choices=CODECS,

@@ -74,7 +74,7 @@ class LocalSwarm:
         """Start `corolla serve MODEL --initial-peers ... ARGS`; with wait, block until it logs 'serving blocks'."""
         if not self.initial_peers:
             raise RuntimeError("start_dht() first")
-        proc = self._spawn(name or f"server{len(self.processes)}", ["serve", model, "--initial-peers", *self.initial_peers, *args])
+        proc = self._spawn(name or f"server{len(self.processes)}", ["serve", model, "--initial-peers", ",".join(self.initial_peers), *args])
         if wait:
             self.wait_ready(proc, timeout)
         return proc

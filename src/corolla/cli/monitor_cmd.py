@@ -6,9 +6,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import socket
 
-from corolla.cli.common import run_until_signal
+from corolla.cli.common import listening_socket, run_until_signal, url_host
 from corolla.cli.dataclass_args import add_dataclass_arguments, dataclass_from_args
 from corolla.monitor.config import MonitorConfig
 
@@ -40,7 +39,7 @@ async def serve_monitor(config: MonitorConfig, stop: asyncio.Event) -> int:
     from corolla.monitor.app import create_monitor_app
     from corolla.monitor.source import SwarmMonitor, join_swarm
 
-    listener = _bind(config.host, config.port)  # bound before anything else: a taken port fails at once
+    listener = listening_socket(config.host, config.port)  # bound before anything else: a taken port fails at once
     try:
         node = await join_swarm(config.initial_peers, load_swarm_key(config.swarm_key) if config.swarm_key else None)
     except BaseException:
@@ -65,7 +64,7 @@ async def serve_monitor(config: MonitorConfig, stop: asyncio.Event) -> int:
             serving.result()  # startup failed: raise its error
             return 1
         host, port = listener.getsockname()[:2]
-        logger.info("monitor serving at http://%s:%d (state: /api/v1/state, metrics: /metrics)", _url_host(host), port)
+        logger.info("monitor serving at http://%s:%d (state: /api/v1/state, metrics: /metrics)", url_host(host), port)
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
@@ -80,19 +79,5 @@ async def serve_monitor(config: MonitorConfig, stop: asyncio.Event) -> int:
         listener.close()
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
 
 
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 
+from corolla.cli.common import add_initial_peers_argument
 from corolla.client.reputation import load as load_reputation
 from corolla.dht import model_dht_prefix
 from corolla.membership import load_swarm_key
@@ -32,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Read the DHT, ping every server and show each model's coverage and each server's blocks, state, "
                     "throughput, free cache and round trip. Without --model: every model announced in the swarm.",
     )
-    p.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of DHT peers of the swarm")
+    add_initial_peers_argument(p, "multiaddrs of DHT peers of the swarm", required=True, default=None)
     p.add_argument("--model", default=None, help="model repo id or directory (its name is the DHT prefix)")
     p.add_argument("--dht-prefix", default=None, help="DHT namespace to read (default: from --model)")
     p.add_argument("--num-blocks", type=int, default=None,

@@ -38,7 +38,7 @@ def start_dht(net: EmulatedNetwork, host: str, *args: str, label: str = "dht", l
 def start_server(net: EmulatedNetwork, host: str, model: str, peers: Sequence[str], *args: str, label: str,
                  log: IO[str] | None = None, wait: bool = True) -> HostProcess:
     """`corolla serve MODEL --initial-peers PEERS ARGS` on `host`; with `wait`, once it serves."""
-    proc = net.spawn(host, corolla("serve", model, "--initial-peers", *peers, *args), label=label, log_file=log)
+    proc = net.spawn(host, corolla("serve", model, "--initial-peers", ",".join(peers), *args), label=label, log_file=log)
     if wait:
         wait_serving(proc)
     return proc

@@ -143,7 +143,7 @@ class Server:
                 asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self._arm_fault)
             self.node = await self._join()
             if self.config.new_swarm:
-                logger.info("started a new swarm; others join it with --initial-peers %s", " ".join(self.maddrs))
+                logger.info("started a new swarm; others join it with --initial-peers %s", ",".join(self.maddrs))
             self.start_block, self.end_block = await self._choose_blocks()
             model = ModelRecord(num_blocks=self.num_model_blocks, model_type=str(self.model_config.model_type)[:64])
             announcer = Announcer(self.node.dht, self.prefix, self.node.peer_id, self.server_info, self.config.announce_period, self.config.expiration, model)

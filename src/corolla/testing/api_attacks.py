@@ -31,7 +31,7 @@ class ApiProcess:
     def __init__(self, model: str, peers: list[str], args: list[str], ready_timeout: float = 180.0):
         self.log: deque[str] = deque(maxlen=400)
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "corolla.cli.main", "api", model, "--initial-peers", *peers, "--port", "0", *args],
+            [sys.executable, "-m", "corolla.cli.main", "api", model, "--initial-peers", ",".join(peers), "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         self.url = ""

@@ -1,5 +1,5 @@
-"""The one place corolla calls the installed transformers' decoder layers (STYLE.md 15: called, never subclassed or
-patched). Everything that depends on how a transformers decoder layer, its rotary embedding and its KV cache are
+"""The one place corolla calls the installed transformers' decoder layers: called, never subclassed or patched
+(subclassing is what pinned Petals to one transformers version). Everything that depends on how a transformers decoder layer, its rotary embedding and its KV cache are
 called lives here, so a transformers upgrade that changes it fails here, loudly, and in
 tests/models/test_generic_adapter.py, which pins this calling convention.
 
