@@ -88,3 +88,18 @@ def test_a_codec_on_a_mask_or_an_unknown_codec_is_refused():
     raw = msgpack.packb(header)
     with pytest.raises(ProtocolError, match="cannot travel in codec"):
         decode_frame(len(raw).to_bytes(4, "big") + raw + b"\0" * 200)
+
+
+def test_a_client_sees_only_the_servers_that_take_its_codec():
+    from corolla.client.routing import with_codec
+    from corolla.protocol.messages import ServerInfo, ServerState
+
+    def info(codecs):
+        return ServerInfo(state=ServerState.ONLINE, start_block=0, end_block=1, throughput=1.0, cache_tokens_total=8,
+                          cache_tokens_free=8, torch_dtype="float32", version="0", protocol_version=4,
+                          max_session_length=8, codecs=codecs)
+
+    servers = [{"old": info(("none",)), "new": info(CODECS)}]
+    assert with_codec(servers, "none") == servers
+    assert list(with_codec(servers, "int8")[0]) == ["new"]
+    assert ServerInfo.model_validate({k: v for k, v in info(CODECS).model_dump().items() if k != "codecs"}).codecs == ("none",)

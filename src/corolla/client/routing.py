@@ -96,6 +96,13 @@ def usable_servers(
             yield peer, info
 
 
+def with_codec(block_servers: list[dict[str, ServerInfo]], codec: str) -> list[dict[str, ServerInfo]]:
+    """Each block's servers that take activations in `codec` (ServerInfo.codecs; every server takes "none")."""
+    if codec == "none":
+        return block_servers
+    return [{peer: info for peer, info in servers.items() if codec in info.codecs} for servers in block_servers]
+
+
 def _check_range(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int) -> None:
     if not 0 <= start < end <= len(block_servers):
         raise ValueError(f"bad block range {start}:{end} for {len(block_servers)} blocks")

@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass
 
 from corolla.client.config import ClientConfig
-from corolla.client.routing import Span, find_route, measured_speed, sample_route, uncovered_blocks, usable_servers
+from corolla.client.routing import (Span, find_route, measured_speed, sample_route, uncovered_blocks, usable_servers,
+                                    with_codec)
 from corolla.dht import SwarmNode, fetch_block_servers
 from corolla.dht.ping import ping, smooth
 from corolla.protocol.errors import AllocationFailed, MissingBlocks, PeerUnavailable, PeerUnreachable, RemoteError
@@ -80,8 +81,10 @@ class SequenceManager:
             if not force and not self._stale and time.monotonic() - self.last_update < self.config.update_period:
                 return
             first = self.last_update == -float("inf")
-            self.block_servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_blocks),
-                                                           prefer=self.rtts.keys())
+            servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_blocks),
+                                                prefer=self.rtts.keys())
+            # a session's codec needs servers that take it (ServerInfo.codecs): the others do not exist for this client
+            self.block_servers = with_codec(servers, self.config.compression)
             self.last_update = time.monotonic()
             self._stale = False
             logger.debug("swarm view updated: %s", [len(s) for s in self.block_servers])
