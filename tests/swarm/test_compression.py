@@ -25,8 +25,10 @@ MAX_ERROR = {"none": 1e-5, "bf16": 3e-2, "fp16": 5e-3, "int8": 1.5e-1, "4bit": 1
 
 @pytest.fixture(scope="module")
 def swarm(tiny_llama_path):
+    servers = {name: ["--blocks", blocks] for name, blocks in THREE.items()}
+    servers["middle-2"] = ["--blocks", THREE["middle"]]  # so spot checks have a checker for the middle span
     with LocalSwarm(env={"COROLLA_CACHE": tempfile.mkdtemp(prefix="corolla-cache-")}) as local:
-        yield start_named_servers(local, tiny_llama_path, {name: ["--blocks", blocks] for name, blocks in THREE.items()})
+        yield start_named_servers(local, tiny_llama_path, servers)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,21 @@ def test_a_pipelined_prefill_with_int8_stays_within_the_codecs_error(swarm, refe
     finally:
         model.shutdown()
     assert float(((normed - exact).norm(dim=-1) / exact.norm(dim=-1)).max()) <= MAX_ERROR["int8"]
+
+
+def test_spot_checks_of_honest_servers_raise_no_alarm_under_int8(swarm, tmp_path, monkeypatch):
+    monkeypatch.setenv("COROLLA_CACHE", str(tmp_path))
+    model = connect(swarm, compression="int8", verify_rate=1.0, verify_seed=0)
+    try:
+        with model.inference_session(max_length=64) as session:
+            model.generate(PROMPT, max_new_tokens=8, session=session)
+            unverified = session.unverified
+        reputation = model.reputation()
+    finally:
+        model.shutdown()
+    assert sum(record["passed"] for record in reputation.values()) >= 2
+    assert not any(record["failed"] or record["distrusted"] for record in reputation.values()), reputation
+    assert not unverified
 
 
 def test_unknown_compression_is_a_value_error(swarm):

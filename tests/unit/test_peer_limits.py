@@ -365,3 +365,26 @@ def test_one_row_of_a_whole_session_always_fits_in_a_pass(stack):
 
     reply, limit = serve(stack, scenario, max_pass_tokens=16, max_session_length=32)
     assert isinstance(reply, ForwardResult) and limit == 32
+
+
+def test_a_session_whose_requester_left_while_it_queued_gets_no_cache_allocated(stack):
+    async def scenario(handler, open_stream):
+        allocations = []
+        allocate = handler.table.stack.allocate_cache
+        handler.table.stack.allocate_cache = lambda *args: allocations.append(args) or allocate(*args)
+        try:
+            holder = open_stream("inference", "holder")
+            holder.send(framed(OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BLOCKS, max_length=1024)))
+            assert isinstance((await holder.receive())[0], SessionOpened)  # the whole budget of 1024 tokens
+            leaver = open_stream("inference", "leaver")
+            leaver.send(framed(OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BLOCKS, max_length=512,
+                                           alloc_timeout=10.0)))
+            await asyncio.sleep(0.2)  # queued behind the holder
+            leaver.close()  # gone while it waits
+            holder.send(framed(CloseSession()))  # its tokens go to the queued request...
+            await asyncio.wait_for(leaver.task, 10)
+            return len(allocations)
+        finally:
+            handler.table.stack.allocate_cache = allocate
+
+    assert serve(stack, scenario) == 1  # ...which allocates nothing: only the holder's cache was ever allocated

@@ -234,7 +234,7 @@ class ConnectionHandler:
         if self.shutting_down:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "server is shutting down")
         self.checks.open_session(request)
-        async with self.table.open(request, peer) as session:
+        async with self.table.open(request, peer, alive=lambda: not reader.at_eof()) as session:
             frame_limit = self.checks.step_frame_limit(session.batch_size, session.max_length, session.num_blocks)
             live = LiveSession(session, writer, codec=request.codec)
             try:

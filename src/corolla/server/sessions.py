@@ -17,7 +17,7 @@ import asyncio
 import logging
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -69,17 +69,21 @@ class SessionTable:
         self.by_peer: Counter[str] = Counter()  # sessions open or waiting for cache, per peer (only peers with some)
 
     @asynccontextmanager
-    async def open(self, request: OpenSession, peer: str) -> AsyncIterator[ServerSession]:
+    async def open(self, request: OpenSession, peer: str, alive: Callable[[], bool] = lambda: True
+                   ) -> AsyncIterator[ServerSession]:
         """Reserve and allocate a checked OpenSession's cache; yields the session, releases everything on exit.
 
         Raises RequestError(SERVER_FULL) if `peer` has max_peer_sessions sessions here already, if the tokens could
-        never be reserved (CacheAllocator.refusal), or if they cannot be reserved within the allocation timeout."""
+        never be reserved (CacheAllocator.refusal), or if they cannot be reserved within the allocation timeout.
+        `alive()` says whether the requester is still there once the tokens are granted: a request whose stream
+        ended while it queued gets nothing allocated (ConnectionAbortedError), so a peer cannot make the server
+        allocate caches nobody will use."""
         if self.by_peer[peer] >= self.max_peer_sessions:
             raise RequestError(ErrorCode.SERVER_FULL, f"server full for your peer: per-peer limit of "
                                                       f"{self.max_peer_sessions} sessions open here reached")
         self.by_peer[peer] += 1
         try:
-            async with self._open(request, peer) as session:
+            async with self._open(request, peer, alive) as session:
                 yield session
         finally:
             self.by_peer[peer] -= 1
@@ -87,7 +91,7 @@ class SessionTable:
                 del self.by_peer[peer]
 
     @asynccontextmanager
-    async def _open(self, request: OpenSession, peer: str) -> AsyncIterator[ServerSession]:
+    async def _open(self, request: OpenSession, peer: str, alive: Callable[[], bool]) -> AsyncIterator[ServerSession]:
         session_id = uuid.uuid4().hex
         tokens = self.stack.cache_tokens(request.batch_size, request.max_length, request.blocks.start, request.blocks.end)
         timeout = min(request.alloc_timeout, self.max_alloc_timeout)
@@ -105,6 +109,8 @@ class SessionTable:
         if task is not None:
             self.tasks[session_id] = task
         try:
+            if not alive():
+                raise ConnectionAbortedError("the requester left while its session queued for cache")
             blocks = request.blocks
             logger.debug("session.open id=%s peer=%s blocks=%s max_length=%d batch=%d", session_id, peer, blocks,
                          request.max_length, request.batch_size)
