@@ -145,3 +145,22 @@ def test_a_push_with_a_receipt_not_matching_what_arrived_is_refused(stack):
 
     reply = serve(stack, scenario)
     assert isinstance(reply, ErrorReply) and "digest" in reply.message
+
+
+def test_a_step_asking_for_its_last_positions_gets_only_those_back(stack):
+    async def scenario(handler, talk):
+        reader, writer, receive = talk("inference", OWNER)
+        reader.feed_data(framed(OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=0, end=3),
+                                            max_length=16)))
+        assert isinstance((await receive())[0], SessionOpened)
+        hidden = torch.randn(1, 5, HIDDEN)
+        reader.feed_data(framed(InferenceStep(step_id=1, position=0, answer=1), {"hidden": hidden}))
+        last, tensors = await receive()
+        reader.feed_data(framed(InferenceStep(step_id=2, position=0), {"hidden": hidden}))
+        _, whole = await receive()
+        reader.feed_data(framed(CloseSession()))
+        return last, tensors["hidden"], whole["hidden"]
+
+    last, partial, whole = serve(stack, scenario)
+    assert isinstance(last, StepResult) and last.position == 5
+    assert partial.shape == (1, 1, HIDDEN) and torch.equal(partial, whole[:, -1:])

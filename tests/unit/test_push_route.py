@@ -142,3 +142,19 @@ def test_an_answer_must_have_the_steps_shape_be_finite_and_of_sane_size():
     assert "inf" in answer_problem(x.masked_fill(x > 1, float("inf")), x)
     assert "larger" in answer_problem(x * 1e6, x)
     assert "dtype" in answer_problem(torch.zeros(2, 3, 8, dtype=torch.int32), x)
+
+
+def test_what_a_step_asks_of_the_last_server_is_part_of_the_receipt():
+    key = PeerKey.generate()
+    copy = torch.randn(1, 4, 8)
+    digest = tensor_digest(copy, None)
+    receipt = sign_receipt(key, "B", SECRETS["A"], 9, 5, None, True, digest, answer=1)
+    assert judge(receipt, digest, answer=1) is None
+    assert judge(receipt, digest).who == "pusher"  # it pushed "answer only the last position" where none was asked
+
+
+def test_an_answer_of_the_last_positions_only_is_checked_against_those_positions():
+    x = torch.randn(2, 5, 8)
+    assert answer_problem(x[:, -1:] * 2, x, answer=1) is None
+    assert "shape" in answer_problem(x * 2, x, answer=1)
+    assert answer_problem(x[:, :0], x, answer=0) is None

@@ -323,9 +323,9 @@ class BatchedEngine:
         return True
 
     async def _feed(self, session: InferenceSession, ids: Sequence[int]) -> torch.Tensor:
-        """Send tokens through the session; returns the last block's output (1, T, H)."""
+        """Send tokens through the session; returns the last block's output at the last of them (1, 1, H)."""
         embeds = await self._loop.run_in_executor(self._head, self.head_pass.embed, list(ids))
-        output = await session.step_async(embeds)
+        output = await session.step_async(embeds, last=1)  # (1, 1, H): the prompt's last position is all it needs
         self.metrics.tokens_sent.inc(len(ids))
         return output
 

@@ -241,7 +241,7 @@ def _session_logits(model: GenerationModel, session: InferenceSession, call: _Ca
         session.append_tokens(sequence[:, seen[0] :])
         seen[0] = sequence.shape[1]
         ids, mask = session.pending_tokens()
-        hidden = session.feed(_embed_pending(model, session, ids, call, call_start), mask)  # (rows, t, H)
+        hidden = session.feed(_embed_pending(model, session, ids, call, call_start), mask, last=1)  # (rows, 1, H)
         return model.lm_logits(hidden[:, -1:])[:, -1].float()  # (rows, vocab)
 
     return logits_fn
@@ -267,7 +267,8 @@ class _SessionVerifier:
             self.session.append_tokens(draft)
         self.draft = draft
         ids, mask = self.session.pending_tokens()
-        hidden = self.session.feed(_embed_pending(self.model, self.session, ids, self.call, self.call_start), mask)
+        hidden = self.session.feed(_embed_pending(self.model, self.session, ids, self.call, self.call_start), mask,
+                                   last=draft.shape[1] + 1)  # (rows, k + 1, H)
         return self.model.lm_logits(hidden[:, -(draft.shape[1] + 1) :]).float()  # (rows, k + 1, vocab)
 
     def settle(self, sequence: torch.Tensor) -> None:

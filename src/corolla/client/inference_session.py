@@ -171,17 +171,21 @@ class InferenceSession:
         self._state.append(ids)
 
     # ------------------------------------------------------------------ steps
-    def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
+             ) -> torch.Tensor:
         """Run hidden (batch_size, T, H) for positions [position, position + T); returns the last block's output.
 
         `attention_mask` (batch_size, T), 1 = real token, 0 = padding, covers this step's positions; the session
         keeps the mask of the earlier ones. Padded slots are skipped by the servers (their output is their input).
-        Pending tokens (see token_ids) are the ones these positions hold, in order. Raises ValueError for a wrong
-        shape or a step past max_length, SessionExpired once closed.
+        Pending tokens (see token_ids) are the ones these positions hold, in order. `last`: return only the outputs
+        of the last `last` positions (batch_size, last, H); the route's last server sends only those back (generation
+        needs a prompt's last position only). Raises ValueError for a wrong shape or a step past max_length,
+        SessionExpired once closed.
         """
-        return run_sync(self.step_async(hidden, attention_mask))
+        return run_sync(self.step_async(hidden, attention_mask, last))
 
-    async def step_async(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    async def step_async(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         last: int | None = None) -> torch.Tensor:
         """`step`, awaited on the client's event loop (one loop can drive many sessions)."""
         if self.closed:
             raise SessionExpired("this inference session is closed")
@@ -194,23 +198,29 @@ class InferenceSession:
             )
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
             raise ValueError(f"attention_mask must have shape {tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}")
+        if last is not None and not 1 <= last <= hidden.shape[1]:
+            raise ValueError(f"last must be within [1, {hidden.shape[1]}], got {last}")
         mask = self._state.step_mask(hidden.shape[1], attention_mask)
-        output = await self._step(hidden, mask, self._state.hypo_ids)
+        output = await self._step(hidden, mask, self._state.hypo_ids, last)
         self._state.advance(hidden.shape[1], attention_mask)
         self.steps += 1
         return output
 
-    def feed(self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def feed(self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
+             ) -> torch.Tensor:
         """Run the input embeddings (batch_size, t, H) of the next t tokens; returns their outputs (batch_size, t, H).
 
         A session with prompt-tuning prompts sends them first while it holds nothing; rolled back into them it
-        raises ValueError. `attention_mask` (batch_size, t) covers the tokens (the prompts are real)."""
-        hidden, mask = self._with_prefix(embeddings, attention_mask)
-        return self.step(hidden, mask)[:, hidden.shape[1] - embeddings.shape[1] :]
+        raises ValueError. `attention_mask` (batch_size, t) covers the tokens (the prompts are real). `last`: only the
+        last `last` outputs, as `step` takes it."""
+        return run_sync(self.feed_async(embeddings, attention_mask, last))
 
-    async def feed_async(self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    async def feed_async(self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         last: int | None = None) -> torch.Tensor:
         """`feed`, awaited on the client's event loop."""
         hidden, mask = self._with_prefix(embeddings, attention_mask)
+        if last is not None:
+            return await self.step_async(hidden, mask, min(last, embeddings.shape[1]))
         return (await self.step_async(hidden, mask))[:, hidden.shape[1] - embeddings.shape[1] :]
 
     def _with_prefix(self, embeddings: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -254,17 +264,18 @@ class InferenceSession:
                 pass
 
     # ------------------------------------------------------------------ event-loop side
-    async def _step(self, hidden: torch.Tensor, mask: torch.Tensor | None, hypo_ids: list[int] | None) -> torch.Tensor:
+    async def _step(self, hidden: torch.Tensor, mask: torch.Tensor | None, hypo_ids: list[int] | None,
+                    last: int | None = None) -> torch.Tensor:
         if self._spans is None:
             self._spans = await self._open_chain(self.start, self.end, history=None)
         position = self.position
         prompt_length = 0 if self.prompts is None else self.prompts.shape[1]
         if can_push(len(self._spans), self.config.push, position, prompt_length):
-            return await self._push_step(hidden, position, mask, hypo_ids)
-        return await self._relay(hidden, position, mask, hypo_ids, 0)
+            return await self._push_step(hidden, position, mask, hypo_ids, last)
+        return await self._relay(hidden, position, mask, hypo_ids, 0, last=last)
 
     async def _push_step(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None,
-                         hypo_ids: list[int] | None) -> torch.Tensor:
+                         hypo_ids: list[int] | None, last: int | None = None) -> torch.Tensor:
         """Send the step to the first server, which pushes it on along the links the client set, then read every
         span's copy of its output in route order (the last one is the answer), each checked (client.push_audit)
         before any is recorded. What goes wrong at span i is handled by who is at fault:
@@ -282,22 +293,25 @@ class InferenceSession:
             await self._fix_links(spans)
         except (PeerUnavailable, RemoteError) as e:  # relaying finds (and replaces) the server that failed
             logger.info("set_push failed: %s", e)
-            return await self._relay(hidden, position, mask, hypo_ids, 0)
+            return await self._relay(hidden, position, mask, hypo_ids, 0, last=last)
         tokens = None if hypo_ids is not None else chunk_tokens(
             hidden.shape[0], hidden.shape[1], hidden.shape[2], self.config.compression, hidden.dtype,
             self.config.prefill_chunk_tokens)
         if tokens is not None:
-            return await self._pipelined_step(hidden, position, mask, tokens)
+            return await self._pipelined_step(hidden, position, mask, tokens, last)
         inputs, index = [hidden], 0
+        end = position + hidden.shape[1]
         try:
-            step_id = await spans[0].send(hidden, position, mask, hypo_ids, push=True)
+            step_id = await spans[0].send(hidden, position, mask, hypo_ids, push=True, answer=last)
             for span in spans[1:]:
                 span.step_id = step_id  # every later server answers the pushed step with its id
             self.exchanges += 1
             mark = time.perf_counter()  # routing: what each span added to the step (SequenceManager.observe)
             while index < len(spans):
-                pushed = None if index == 0 else pushed_by(spans[index - 1], inputs[index], mask)
-                inputs.append(await spans[index].receive(inputs[index], timeout, pushed, position, hypo_ids))
+                pushed = None if index == 0 else pushed_by(spans[index - 1], inputs[index], mask, last)
+                answer = last if index == len(spans) - 1 else None
+                inputs.append(await spans[index].receive(inputs[index], timeout, pushed, position, hypo_ids,
+                                                         answer=answer))
                 elapsed, mark = time.perf_counter() - mark, time.perf_counter()
                 self.manager.observe(spans[index].span.peer_id, elapsed, spans[index].span.length,
                                      hidden.shape[0] * hidden.shape[1])
@@ -305,40 +319,40 @@ class InferenceSession:
         except PushFailed as e:  # spans[index] answered, the one after it did not get the step
             logger.info("push failed after span %d: %s", index, e)
             inputs.append(e.output)
-            self._accept(spans[: index + 1], inputs, position, mask, hypo_ids)
-            return await self._relay(e.output, position, mask, hypo_ids, index + 1)
+            self._accept(spans[: index + 1], inputs, position, mask, hypo_ids, end)
+            return await self._relay(e.output, position, mask, hypo_ids, index + 1, last=last)
         except BadAnswer as e:
             if e.blame.who == "pusher":  # its own answer is not kept: it is replaced and the step relayed from it
-                self._accept(spans[: index - 1], inputs, position, mask, hypo_ids)
-                return await self._convict_pusher(index - 1, inputs[index - 1], position, mask, hypo_ids, e)
-            self._accept(spans[:index], inputs, position, mask, hypo_ids)
-            return await self._relay(inputs[index], position, mask, hypo_ids, index, e)
+                self._accept(spans[: index - 1], inputs, position, mask, hypo_ids, end)
+                return await self._convict_pusher(index - 1, inputs[index - 1], position, mask, hypo_ids, e, last)
+            self._accept(spans[:index], inputs, position, mask, hypo_ids, end)
+            return await self._relay(inputs[index], position, mask, hypo_ids, index, e, last=last)
         except (PeerUnavailable, RemoteError) as e:
-            self._accept(spans[:index], inputs, position, mask, hypo_ids)
+            self._accept(spans[:index], inputs, position, mask, hypo_ids, end)
             if index > 0 and isinstance(e, PeerUnavailable):
-                return await self._relay_unpushed(inputs[index], position, mask, hypo_ids, index, e)
-            return await self._relay(inputs[index], position, mask, hypo_ids, index, e)
-        self._accept(spans, inputs, position, mask, hypo_ids)
+                return await self._relay_unpushed(inputs[index], position, mask, hypo_ids, index, e, last)
+            return await self._relay(inputs[index], position, mask, hypo_ids, index, e, last=last)
+        self._accept(spans, inputs, position, mask, hypo_ids, end)
         self.pushed_steps += 1
         return inputs[-1]
 
     async def _pipelined_step(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None,
-                              tokens: int) -> torch.Tensor:
+                              tokens: int, last: int | None = None) -> torch.Tensor:
         """A long push step sent in chunks of `tokens` (client.pipelined_prefill). If a chunk fails, every link is
         cut (chunks still in flight are refused from then on), the span at fault, if any, is handled as in
         `_push_step`, and the whole step is relayed again from the first span, overwriting what the chunks left."""
         spans = self._spans
         assert spans is not None
         try:
-            inputs = await pipelined_push(spans, hidden, position, mask, tokens, self.config.request_timeout)
+            inputs = await pipelined_push(spans, hidden, position, mask, tokens, self.config.request_timeout, last)
         except ChunkFailed as failed:
             logger.info("pipelined step failed at span %d: %s; relaying it whole", failed.index, failed.error)
             await asyncio.gather(*(s.set_push(None, None, self.config.connect_timeout) for s in spans),
                                  return_exceptions=True)
             await self._blame(failed.index, failed.error, position)
-            return await self._relay(hidden, position, mask, None, 0)
+            return await self._relay(hidden, position, mask, None, 0, last=last)
         self.exchanges += 1
-        self._accept(spans, inputs, position, mask, None)
+        self._accept(spans, inputs, position, mask, None, position + hidden.shape[1])
         self.pushed_steps += 1
         return inputs[-1]
 
@@ -358,35 +372,37 @@ class InferenceSession:
             await self._replace_span(index, position)
 
     def _accept(self, spans: Sequence[SpanSession], inputs: list[torch.Tensor], position: int,
-                mask: torch.Tensor | None, hypo_ids: list[int] | None) -> None:
-        """Record the checked answers of `spans` (the route's first ones) to a step: their inputs, forgiveness, and
-        maybe a spot check of each (client.spot_checks)."""
+                mask: torch.Tensor | None, hypo_ids: list[int] | None, end: int) -> None:
+        """Record the checked answers of `spans` (the route's first ones) to a step ending at `end`: their inputs,
+        forgiveness, and maybe a spot check of each (client.spot_checks)."""
         for i, span in enumerate(spans):
             span.record(inputs[i], position, hypo_ids)
             self.manager.forgive(span.span.peer_id)
             if self.checks is not None and mask is None and hypo_ids is None:
-                self.checks.after_step(span, position, inputs[i + 1], span.prompts)
+                self.checks.after_step(span, position, inputs[i + 1], span.prompts, end)
 
     async def _relay_unpushed(self, x: torch.Tensor, position: int, mask: torch.Tensor | None,
-                              hypo_ids: list[int] | None, index: int, error: Exception) -> torch.Tensor:
+                              hypo_ids: list[int] | None, index: int, error: Exception, last: int | None = None
+                              ) -> torch.Tensor:
         """spans[index] never answered a pushed step: send it the step directly. If it answers now, the server before
         it did not push (it is banned for a while: that link does not work); if not, spans[index] failed."""
         span, pusher = self._spans[index], self._spans[index - 1]
+        answer = last if index == len(self._spans) - 1 else None
         try:
             self.exchanges += 1
-            out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids)
+            out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids, answer)
         except (PeerUnavailable, RemoteError) as e:
-            return await self._relay(x, position, mask, hypo_ids, index, e)
+            return await self._relay(x, position, mask, hypo_ids, index, e, last=last)
         logger.warning("server %s answered the step relayed to it, but not when %s pushed it (%s); banning %s",
                        span.span.peer_id, pusher.span.peer_id, error, pusher.span.peer_id)
         self.manager.ban(pusher.span.peer_id)
         self.manager.forgive(span.span.peer_id)
         if self.checks is not None and mask is None and hypo_ids is None:
-            self.checks.after_step(span, position, out, span.prompts)
-        return await self._relay(out, position, mask, hypo_ids, index + 1)
+            self.checks.after_step(span, position, out, span.prompts, position + x.shape[1])
+        return await self._relay(out, position, mask, hypo_ids, index + 1, last=last)
 
     async def _convict_pusher(self, index: int, x: torch.Tensor, position: int, mask: torch.Tensor | None,
-                              hypo_ids: list[int] | None, error: BadAnswer) -> torch.Tensor:
+                              hypo_ids: list[int] | None, error: BadAnswer, last: int | None = None) -> torch.Tensor:
         """spans[index] pushed something else than it returned (its signed receipt proves it): distrust it, replace
         it, rebuild the caches of every span after it from their histories (its pushes reached them), and relay the
         step from it, whose input was `x`."""
@@ -402,7 +418,7 @@ class InferenceSession:
                 self.exchanges += 1
                 await later.step(later.history[:, :position], 0, self.config.request_timeout,
                                  self._state.replay_mask(position))
-        return await self._relay(x, position, mask, hypo_ids, index)
+        return await self._relay(x, position, mask, hypo_ids, index, last=last)
 
     def _distrust(self, peer_id: str, reason: str) -> None:
         """Never route through `peer_id` again in this client (proven wrong), and keep it in the reputation record."""
@@ -418,8 +434,9 @@ class InferenceSession:
                                for i, source, target in fixes))
 
     async def _relay(self, x: torch.Tensor, position: int, mask: torch.Tensor | None, hypo_ids: list[int] | None,
-                     index: int, failed: Exception | None = None) -> torch.Tensor:
-        """Run input `x` through spans[index:], the client relaying every hop; `failed`: spans[index] already failed."""
+                     index: int, failed: Exception | None = None, last: int | None = None) -> torch.Tensor:
+        """Run input `x` through spans[index:], the client relaying every hop; `failed`: spans[index] already failed;
+        `last`: the route's last span answers only its last `last` positions."""
         spans = self._spans
         assert spans is not None
         failures = 0
@@ -431,8 +448,10 @@ class InferenceSession:
                     raise error
                 self.exchanges += 1
                 begin = time.perf_counter()  # routing: the span's measured time (SequenceManager.observe)
-                x_out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids)
-                self.manager.observe(span.span.peer_id, time.perf_counter() - begin, span.span.length, x.shape[0] * x.shape[1])
+                answer = last if index == len(spans) - 1 else None
+                x_out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids, answer)
+                self.manager.observe(span.span.peer_id, time.perf_counter() - begin, span.span.length,
+                                     x.shape[0] * x.shape[1])
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, failures, span.span)
                 await span.close()
@@ -443,7 +462,7 @@ class InferenceSession:
                 continue
             self.manager.forgive(span.span.peer_id)
             if self.checks is not None and mask is None and hypo_ids is None:  # spot checks: maybe check this answer
-                self.checks.after_step(span, position, x_out, span.prompts)
+                self.checks.after_step(span, position, x_out, span.prompts, position + x.shape[1])
             x = x_out
             index += 1
         return x

@@ -64,12 +64,17 @@ class Chunk:
 
 
 async def pipelined_push(spans: list[SpanSession], hidden: torch.Tensor, position: int, mask: torch.Tensor | None,
-                         tokens: int, timeout: float) -> list[torch.Tensor]:
+                         tokens: int, timeout: float, last: int | None = None) -> list[torch.Tensor]:
     """Run hidden (B, T, H) at `position` through the push route `spans` in chunks of `tokens`; returns every span's
-    input and the last output, [x_0, x_1, ..., x_n] each (B, T, H). `mask` (B, position + T) or None. Raises
+    input and the last output, [x_0, x_1, ..., x_n] each (B, T, H), except the last output: only its last `last`
+    positions when given (the last server sends nothing else back). `mask` (B, position + T) or None. Raises
     ChunkFailed (nothing recorded; in-flight chunks may still land on servers: the caller unlinks and redoes)."""
     length = hidden.shape[1]
+    keep = length if last is None else last  # the last server answers only positions [length - keep, length)
     chunks = [Chunk(a, min(length, a + tokens)) for a in range(0, length, tokens)]
+
+    def answer(chunk: Chunk) -> int | None:  # what a chunk asks of the last server: its part of the kept suffix
+        return None if last is None else max(0, chunk.end - max(chunk.start, length - keep))
     answers: list[list[asyncio.Future[torch.Tensor]]] = [
         [asyncio.get_running_loop().create_future() for _ in chunks] for _ in spans]
     sent: list[asyncio.Future[int]] = [asyncio.get_running_loop().create_future() for _ in chunks]
@@ -81,7 +86,7 @@ async def pipelined_push(spans: list[SpanSession], hidden: torch.Tensor, positio
         try:
             for k, chunk in enumerate(chunks):
                 step_id = await spans[0].send(hidden[:, chunk.start : chunk.end], position + chunk.start,
-                                              chunk_mask(chunk), None, push=True)
+                                              chunk_mask(chunk), None, push=True, answer=answer(chunk))
                 sent[k].set_result(step_id)
         except Exception as e:
             raise ChunkFailed(0, e) from e
@@ -91,9 +96,10 @@ async def pipelined_push(spans: list[SpanSession], hidden: torch.Tensor, positio
         for k, chunk in enumerate(chunks):
             step_id = await sent[k]
             x = hidden[:, chunk.start : chunk.end] if i == 0 else await answers[i - 1][k]
-            pushed = None if i == 0 else pushed_by(spans[i - 1], x, chunk_mask(chunk))
+            pushed = None if i == 0 else pushed_by(spans[i - 1], x, chunk_mask(chunk), answer(chunk))
             try:
-                out = await span.receive(x, timeout, pushed, position + chunk.start, None, step_id=step_id)
+                out = await span.receive(x, timeout, pushed, position + chunk.start, None, step_id=step_id,
+                                         answer=answer(chunk) if i == len(spans) - 1 else None)
             except Exception as e:
                 raise ChunkFailed(i, e) from e
             answers[i][k].set_result(out)

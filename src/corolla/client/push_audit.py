@@ -38,9 +38,12 @@ class Blame:
     reason: str
 
 
-def answer_problem(output: torch.Tensor, step_input: torch.Tensor) -> str | None:
-    """None if `output` is a well-formed answer to a step whose input was `step_input` (B, T, H); else what is wrong:
-    another shape, a NaN or inf, or rows far larger than any block stack makes of its input (MAX_GROWTH)."""
+def answer_problem(output: torch.Tensor, step_input: torch.Tensor, answer: int | None = None) -> str | None:
+    """None if `output` is a well-formed answer to a step whose input was `step_input` (B, T, H), of which only the
+    last `answer` positions were asked for (None: all); else what is wrong: another shape, a NaN or inf, or rows far
+    larger than any block stack makes of its input (MAX_GROWTH)."""
+    if answer is not None:
+        step_input = step_input[:, step_input.shape[1] - min(answer, step_input.shape[1]) :]
     if output.shape != step_input.shape:
         return f"returned shape {tuple(output.shape)} for an input of shape {tuple(step_input.shape)}"
     if not output.is_floating_point():
@@ -56,7 +59,7 @@ def answer_problem(output: torch.Tensor, step_input: torch.Tensor) -> str | None
 
 
 def judge_receipt(receipt: PushReceipt | None, *, pusher: str, receiver: str, secret: str, step_id: int,
-                  position: int, hypo_ids: Sequence[int] | None, digest: str) -> Blame | None:
+                  position: int, hypo_ids: Sequence[int] | None, digest: str, answer: int | None = None) -> Blame | None:
     """Whom to blame for the pushed input behind `receiver`'s answer to step `step_id` (see the module docstring);
     None when the receipt shows `receiver` got exactly what `pusher` told the client (`digest`: of the pusher's copy
     and the step's mask) as the step the client sent (`position`, `hypo_ids`, pushed on)."""
@@ -69,9 +72,10 @@ def judge_receipt(receipt: PushReceipt | None, *, pusher: str, receiver: str, se
     if receipt.step_id != step_id:
         return Blame("receiver", f"it answered step {step_id} with the receipt of step {receipt.step_id}")
     ids = None if hypo_ids is None else list(hypo_ids)
-    if (receipt.position, receipt.hypo_ids, receipt.push) != (position, ids, True):
+    if (receipt.position, receipt.hypo_ids, receipt.push, receipt.answer) != (position, ids, True, answer):
         return Blame("pusher", f"it pushed step {step_id} at position {receipt.position} (hypo_ids {receipt.hypo_ids}, "
-                               f"push {receipt.push}) where the client sent position {position} (hypo_ids {ids})")
+                               f"push {receipt.push}, answer {receipt.answer}) where the client sent position "
+                               f"{position} (hypo_ids {ids}, answer {answer})")
     if receipt.digest != digest:
         return Blame("pusher", "it pushed other tensors than the output it returned to the client (signed receipt)")
     return None

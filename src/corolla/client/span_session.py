@@ -53,6 +53,7 @@ class Pushed:
     pusher: str
     secret: str
     digest: str
+    answer: int | None = None  # what the step asked of the route's last server (InferenceStep.answer)
 
 
 class SpanSession:
@@ -112,37 +113,40 @@ class SpanSession:
         self.source, self.target = source, target
 
     async def step(self, hidden: torch.Tensor, position: int, timeout: float, mask: torch.Tensor | None = None,
-                   hypo_ids: list[int] | None = None) -> torch.Tensor:
+                   hypo_ids: list[int] | None = None, answer: int | None = None) -> torch.Tensor:
         """Send hidden (B, T, H) at `position`, wait for the span's output (B, T, H), record the input, return it.
 
         `mask` (B, position + T) is the attention mask of the whole session, sent only for padded batches;
         `hypo_ids` reorders the cached rows first (beam search), and the recorded history with them, so that a
         replay rebuilds the reordered caches. The span's deep prompts go with every step that holds a position below P.
+        `answer`: the server returns only the last `answer` positions of its output (None: all).
         """
-        await self.send(hidden, position, mask, hypo_ids)
-        output = await self.receive(hidden, timeout)
+        await self.send(hidden, position, mask, hypo_ids, answer=answer)
+        output = await self.receive(hidden, timeout, answer=answer)
         self.record(hidden, position, hypo_ids)
         return output
 
     async def send(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None = None,
-                   hypo_ids: list[int] | None = None, push: bool = False) -> int:
-        """Send a step (see `step`); with `push`, the server also pushes its output on to its target. Returns the
-        step's id."""
+                   hypo_ids: list[int] | None = None, push: bool = False, answer: int | None = None) -> int:
+        """Send a step (see `step`); with `push`, the server also pushes its output on to its target, and `answer`
+        applies to the route's last server. Returns the step's id."""
         self.step_id = self.next_id()
         tensors = {"hidden": hidden}
         if mask is not None:
             tensors["attention_mask"] = mask
         if self.prompts is not None and position < self.prompts.shape[1]:
             tensors["prompts"] = self.prompts
-        await self.connection.send(InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids, push=push),
-                                   tensors, self.codec)
+        await self.connection.send(InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids, push=push,
+                                                 answer=answer), tensors, self.codec)
         return self.step_id
 
     async def receive(self, step_input: torch.Tensor, timeout: float, pushed: Pushed | None = None,
-                      position: int = 0, hypo_ids: list[int] | None = None, step_id: int | None = None) -> torch.Tensor:
+                      position: int = 0, hypo_ids: list[int] | None = None, step_id: int | None = None,
+                      answer: int | None = None) -> torch.Tensor:
         """The checked answer to step `step_id` (default: the last one sent or pushed, `self.step_id`), whose input
         was `step_input` (sent by us, or `pushed` by the server before: then its receipt is judged, with the step's
-        `position` and `hypo_ids`). Answers to older steps (pushed before a failover relayed them) are skipped.
+        `position` and `hypo_ids`; `answer`: the step asked the route's last server for only its last positions, and
+        this span answers so). Answers to older steps (pushed before a failover relayed them) are skipped.
         Records nothing (see `record`).
 
         Raises BadAnswer for a malformed or dishonest answer (saying whose fault), PushFailed when the server could
@@ -158,7 +162,8 @@ class SpanSession:
             raise PeerUnavailable(f"server {peer} answered step {expected} with {reply.kind}")
         if pushed is not None:
             blame = judge_receipt(reply.receipt, pusher=pushed.pusher, receiver=peer, secret=pushed.secret,
-                                  step_id=expected, position=position, hypo_ids=hypo_ids, digest=pushed.digest)
+                                  step_id=expected, position=position, hypo_ids=hypo_ids, digest=pushed.digest,
+                                  answer=pushed.answer)
             if blame is None and isinstance(reply, PushRefused):
                 blame = Blame("receiver", f"it refused a well-formed push ({reply.reason})")
             if blame is not None:
@@ -166,7 +171,7 @@ class SpanSession:
         elif isinstance(reply, PushRefused):
             raise PeerUnavailable(f"server {peer} refused a push nobody sent it")
         output = tensors["hidden"]
-        problem = answer_problem(output, step_input)
+        problem = answer_problem(output, step_input, answer)
         if problem is not None:
             raise BadAnswer(peer, Blame("receiver", problem))
         if reply.push_error is not None:
@@ -194,6 +199,7 @@ def new_secret() -> str:
     return secrets.token_hex(16)
 
 
-def pushed_by(pusher: SpanSession, output: torch.Tensor, mask: torch.Tensor | None) -> Pushed:
-    """What the span after `pusher` must show it received: `pusher`'s `output` (its copy) with the step's `mask`."""
-    return Pushed(pusher.span.peer_id, pusher.secret, tensor_digest(output, mask))
+def pushed_by(pusher: SpanSession, output: torch.Tensor, mask: torch.Tensor | None, answer: int | None = None) -> Pushed:
+    """What the span after `pusher` must show it received: `pusher`'s `output` (its copy) with the step's `mask`, as
+    a step asking `answer` of the route's last server."""
+    return Pushed(pusher.span.peer_id, pusher.secret, tensor_digest(output, mask), answer)

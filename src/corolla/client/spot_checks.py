@@ -140,9 +140,11 @@ class SessionChecks:
         self.disputes: list[Dispute] = []  # disagreements nothing settled: the session's output is unverified
 
     # ------------------------------------------------------------------ on the event loop, after each span's step
-    def after_step(self, span_session, position: int, output: Tensor, prompts: Tensor | None) -> None:
-        """Maybe start a check of `span_session`'s answer `output` (B, T, H) to the step at `position` (its input
-        is the last T positions of span_session.history). Never blocks and never raises."""
+    def after_step(self, span_session, position: int, output: Tensor, prompts: Tensor | None, end: int | None = None
+                   ) -> None:
+        """Maybe start a check of `span_session`'s answer `output` (B, t, H): the last t positions of its output for
+        the step from `position` to `end` (default: position + t; its input is span_session.history's positions from
+        `position`). Never blocks and never raises."""
         span: Span = span_session.span
         # a server never checked is checked at once, and again on later steps until a check of it completes (a
         # check skipped for want of a checker, or whose checker failed, does not count)
@@ -150,7 +152,7 @@ class SessionChecks:
         if not must and self.client.rng.random() >= self.client.rate:
             return
         history = span_session.history
-        if history is None or history.shape[1] != position + output.shape[1]:
+        if history is None or history.shape[1] != (position + output.shape[1] if end is None else end):
             return
         if must:
             self.first_checks.add(span.peer_id)

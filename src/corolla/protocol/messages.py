@@ -200,6 +200,7 @@ class PushReceipt(_Message):
     position: int = Field(ge=0)
     hypo_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_BATCH_SIZE)
     push: bool
+    answer: int | None = Field(default=None, ge=0)
     digest: str = Field(min_length=1, max_length=128)  # hex, of the tensors pushed (protocol.receipts.tensor_digest)
     signature: str = Field(min_length=1, max_length=2 * MAX_SIGNATURE_BYTES)  # hex
     public_key: str | None = Field(default=None, max_length=2 * MAX_PUBLIC_KEY_BYTES)  # hex; only for RSA peer ids
@@ -242,6 +243,9 @@ class InferenceStep(_Message):
     # same with its own target, so the step crosses the owner's route server to server; each server answers its own
     # owner stream with a copy of its output (with the same step_id)
     push: bool = False
+    # the route's last server (the one that does not push on) answers only the last `answer` positions of its output
+    # (0: none); None: all. Generation needs the last position of a prompt only: the rest need not cross back
+    answer: int | None = Field(default=None, ge=0)
 
 
 class PushStep(_Message):
@@ -258,6 +262,7 @@ class PushStep(_Message):
     position: int = Field(ge=0)
     hypo_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_BATCH_SIZE)
     push: bool = False
+    answer: int | None = Field(default=None, ge=0)  # as InferenceStep.answer
     receipt: PushReceipt
 
 

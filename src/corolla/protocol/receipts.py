@@ -5,7 +5,7 @@ owner stream) and B's answer. Without more, a lying A could push something else 
 and a check of B against the owner's copy would convict the honest B. So A signs every push:
 
     digest    = blake2b-128(dtype, shape and bytes of `hidden`; then those of `attention_mask`, if sent)
-    payload   = msgpack([receiver, push secret, step_id, position, hypo_ids, push, digest])
+    payload   = msgpack([receiver, push secret, step_id, position, hypo_ids, push, answer, digest])
     signature = A's peer-id key over ("corolla/push/v1", payload)          (protocol.signing)
 
 The receipt carries those fields (not the secret: the link's two servers and its owner know it). B checks it before
@@ -46,17 +46,18 @@ def tensor_digest(*tensors: torch.Tensor | None) -> str:
 
 
 def _payload(receiver: str, secret: str, step_id: int, position: int, hypo_ids: Sequence[int] | None, push: bool,
-             digest: str) -> bytes:
-    return msgpack.packb([receiver, secret, step_id, position, None if hypo_ids is None else list(hypo_ids), push, digest])
+             answer: int | None, digest: str) -> bytes:
+    ids = None if hypo_ids is None else list(hypo_ids)
+    return msgpack.packb([receiver, secret, step_id, position, ids, push, answer, digest])
 
 
 def sign_receipt(key: PeerKey, receiver: str, secret: str, step_id: int, position: int,
-                 hypo_ids: Sequence[int] | None, push: bool, digest: str) -> PushReceipt:
+                 hypo_ids: Sequence[int] | None, push: bool, digest: str, answer: int | None = None) -> PushReceipt:
     """`key`'s receipt of pushing tensors of digest `digest` to `receiver`, over the link of `secret`, as this step."""
     ids = None if hypo_ids is None else list(hypo_ids)
-    signature = key.sign(RECEIPT_LABEL, _payload(receiver, secret, step_id, position, ids, push, digest))
+    signature = key.sign(RECEIPT_LABEL, _payload(receiver, secret, step_id, position, ids, push, answer, digest))
     return PushReceipt(pusher=key.peer_id, receiver=receiver, step_id=step_id, position=position, hypo_ids=ids,
-                       push=push, digest=digest, signature=signature.hex(),
+                       push=push, answer=answer, digest=digest, signature=signature.hex(),
                        public_key=None if key.is_inline else key.public_key.hex())
 
 
@@ -68,5 +69,5 @@ def receipt_signed(receipt: PushReceipt, secret: str) -> bool:
     except ValueError:
         return False
     payload = _payload(receipt.receiver, secret, receipt.step_id, receipt.position, receipt.hypo_ids, receipt.push,
-                       receipt.digest)
+                       receipt.answer, receipt.digest)
     return verify(receipt.pusher, RECEIPT_LABEL, payload, signature, public_key)

@@ -275,7 +275,7 @@ class ConnectionHandler:
                     result, output = await self.run_step(session, message, tensors)
                     if message.push:
                         result = await self._push_on(live, result, message, output, tensors.get("attention_mask"))
-                    await self._send(writer, result, {"hidden": output}, live.codec)
+                    await self._send(writer, result, {"hidden": answered(live, message, output)}, live.codec)
         finally:
             if reading is not None:
                 reading.cancel()
@@ -289,7 +289,7 @@ class ConnectionHandler:
             return result
         pushed = output if self.faults is None else self.faults.pushed(output)  # corrupt-push: a test's liar
         push, tensors = outgoing_push(self.key, target, message.step_id, message.position, message.hypo_ids,
-                                      True, pushed, mask, live.codec)
+                                      True, pushed, mask, live.codec, message.answer)
         try:
             await self.pushes.send(target.peer_id, push, tensors, live.codec)
         except Exception as e:  # the next server is gone: the client replaces it and relays this step
@@ -340,7 +340,7 @@ class ConnectionHandler:
                 result = result.model_copy(update={"receipt": message.receipt})
                 if message.push:
                     result = await self._push_on(live, result, message, output, tensors.get("attention_mask"))
-                await self._send(live.writer, result, {"hidden": output}, live.codec)
+                await self._send(live.writer, result, {"hidden": answered(live, message, output)}, live.codec)
             except (ConnectionError, asyncio.CancelledError):
                 abort_stream(live.writer)
                 raise
@@ -362,6 +362,14 @@ class ConnectionHandler:
         output = await self.compute.step(session, step, plan(step, session, self.limits))
         session.advance(step)
         return StepResult(step_id=step.step_id, position=session.position), output.to(step.hidden.dtype)
+
+
+def answered(live: LiveSession, message: InferenceStep | PushStep, output: torch.Tensor) -> torch.Tensor:
+    """What of a step's output (B, T, H) goes back to the session's owner: all of it from a server that pushes the step
+    on (the next server's input, which the owner keeps), else the last `message.answer` positions if asked."""
+    if message.answer is None or (message.push and live.target is not None):
+        return output
+    return output[:, output.shape[1] - min(message.answer, output.shape[1]) :]  # (B, answer, H)
 
 
 async def _read_first(reader: asyncio.StreamReader, kind: type[_M], max_bytes: int = MAX_FRAME_BYTES,

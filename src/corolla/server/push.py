@@ -112,15 +112,15 @@ class PushLinks:
 
 
 def outgoing_push(key: PeerKey, target: PushTarget, step_id: int, position: int, hypo_ids: list[int] | None,
-                  push: bool, hidden: torch.Tensor, mask: torch.Tensor | None, codec: str = "none"
-                  ) -> tuple[PushStep, dict[str, torch.Tensor]]:
+                  push: bool, hidden: torch.Tensor, mask: torch.Tensor | None, codec: str = "none",
+                  answer: int | None = None) -> tuple[PushStep, dict[str, torch.Tensor]]:
     """The PushStep (with this server's signed receipt) and tensors that carry `hidden` (B, T, H) on to `target` in
     `codec`; the receipt's digest is of what the receiver decodes."""
     tensors = {"hidden": hidden} if mask is None else {"hidden": hidden, "attention_mask": mask}
     receipt = sign_receipt(key, target.peer_id, target.secret, step_id, position, hypo_ids, push,
-                           tensor_digest(roundtrip(codec, hidden), mask))
+                           tensor_digest(roundtrip(codec, hidden), mask), answer)
     message = PushStep(secret=target.secret, step_id=step_id, position=position, hypo_ids=hypo_ids, push=push,
-                       receipt=receipt)
+                       answer=answer, receipt=receipt)
     return message, tensors
 
 
@@ -130,8 +130,9 @@ def push_receipt_problem(message: PushStep, tensors: Mapping[str, torch.Tensor],
     what is wrong. A receiving server checks this before it runs a push, so the receipt it hands the owner always
     tells what it was given (the owner could not tell a bad receipt from its receiver lying)."""
     receipt = message.receipt
-    if (receipt.pusher, receipt.receiver, receipt.step_id, receipt.position, receipt.hypo_ids, receipt.push) != (
-            pusher, receiver, message.step_id, message.position, message.hypo_ids, message.push):
+    if (receipt.pusher, receipt.receiver, receipt.step_id, receipt.position, receipt.hypo_ids, receipt.push,
+            receipt.answer) != (pusher, receiver, message.step_id, message.position, message.hypo_ids, message.push,
+                                message.answer):
         return "the receipt does not describe this push"
     if receipt.digest != tensor_digest(tensors["hidden"], tensors.get("attention_mask")):
         return "the receipt's digest is not the digest of the tensors pushed"
