@@ -96,12 +96,12 @@ def test_beam_search_survives_a_broken_stream_by_replaying_reordered_history(mod
     with model.inference_session(max_length=32, batch_size=4) as session:
         original_step, calls, replaced = session.step, [0], []
 
-        def step(hidden, attention_mask=None):
+        def step(hidden, attention_mask=None, last=None):
             calls[0] += 1
             if calls[0] == 5:  # a decode step carrying a reordering: break span 1's stream before it is sent
                 replaced.append(session._spans[1])
                 session._spans[1].connection.close()
-            return original_step(hidden, attention_mask)
+            return original_step(hidden, attention_mask, last)
 
         session.step = step
         got = model.generate(PROMPT, session=session, **kwargs)

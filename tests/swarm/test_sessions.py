@@ -54,9 +54,9 @@ def sent_positions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     sent: list[int] = []
     original = InferenceSession.step_async
 
-    async def counting(self, hidden, attention_mask=None):
+    async def counting(self, hidden, attention_mask=None, last=None):
         sent.append(hidden.shape[1])
-        return await original(self, hidden, attention_mask)
+        return await original(self, hidden, attention_mask, last)
 
     monkeypatch.setattr(InferenceSession, "step_async", counting)
     return sent

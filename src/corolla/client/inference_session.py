@@ -213,7 +213,10 @@ class InferenceSession:
         A session with prompt-tuning prompts sends them first while it holds nothing; rolled back into them it
         raises ValueError. `attention_mask` (batch_size, t) covers the tokens (the prompts are real). `last`: only the
         last `last` outputs, as `step` takes it."""
-        return run_sync(self.feed_async(embeddings, attention_mask, last))
+        hidden, mask = self._with_prefix(embeddings, attention_mask)
+        if last is not None:
+            return self.step(hidden, mask, min(last, embeddings.shape[1]))
+        return self.step(hidden, mask)[:, hidden.shape[1] - embeddings.shape[1] :]
 
     async def feed_async(self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None,
                          last: int | None = None) -> torch.Tensor:
