@@ -57,6 +57,14 @@ class DistributedModelForCausalLM(nn.Module):
         self._active = threading.local()  # per thread: the session of the innermost `with inference_session()`
 
     @property
+    def swarm_node(self) -> SwarmNode:
+        """This model's node in the swarm (its DHT peer and P2P host, `.p2p`), e.g. to ask a server for its info;
+        raises RuntimeError after `shutdown()`."""
+        if self._node is None:
+            raise RuntimeError("this model was shut down: it has no swarm node")
+        return self._node
+
+    @property
     def dtype(self) -> torch.dtype:
         return next(self.head.parameters()).dtype
 
