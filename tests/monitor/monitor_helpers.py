@@ -123,11 +123,3 @@ def wait_for(predicate, timeout: float, interval: float = 0.25, describe=None):
             seen = f"; seen: {describe()}" if describe is not None else ""
             raise AssertionError(f"condition not met within {timeout:.0f}s{seen}")
         time.sleep(interval)
-
-
-def peer_id_from_log(log: str) -> str:
-    """The peer id a server printed in its "serving blocks A:B of MODEL as PEER_ID" line."""
-    match = re.search(r"serving blocks \S+ of .* as (\S+)", log)
-    if match is None:
-        raise AssertionError(f"no peer id in server log:\n{log}")
-    return match.group(1)

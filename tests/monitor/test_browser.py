@@ -25,7 +25,7 @@ from conftest import SERVER_ARGS
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.demo_cmd import demo_model_path
 from corolla.cli.local_swarm import LocalSwarm
-from monitor_helpers import peer_id_from_log, running_monitor, wait_for
+from monitor_helpers import running_monitor, wait_for
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 ANNOUNCE_PERIOD = 15.0  # seconds between the servers' announces; their records live 90 s
@@ -81,7 +81,7 @@ def test_the_page_shows_coverage_live_and_streams_a_chat_reply(browser, tmp_path
                                             name=f"browser-{blocks}", wait=False) for blocks in ("0:2", "2:4", "4:6")}
         for proc in procs.values():
             local.wait_ready(proc)
-        peer_ids = {blocks: peer_id_from_log(proc.tail(200)) for blocks, proc in procs.items()}
+        peer_ids = {blocks: proc.peer_id for blocks, proc in procs.items()}
 
         with running_monitor(peers, "--refresh-period", "1") as monitor:
             browser.get(monitor.url)

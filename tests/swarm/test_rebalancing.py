@@ -17,8 +17,8 @@ SPEED = ["--throughput", "10"]  # equal announced speeds make every choice below
 
 
 def served_ranges(proc: LocalProcess) -> list[str]:
-    """The A:B of every 'serving blocks A:B' line the server logged, in order."""
-    return [line.split("serving blocks ")[1].split()[0] for line in proc.log if "serving blocks " in line]
+    """The A:B of every ready record the server printed (one each time it went ONLINE), in order."""
+    return proc.served_ranges()
 
 
 def test_rebalance_moves_server_to_blocks_left_uncovered(tiny_llama_path, tmp_path):

@@ -56,7 +56,7 @@ def test_sharded_server_greedy_tokens_equal_hf_generate_and_cache_is_freed(shard
     assert torch.equal(model.generate(ids, max_new_tokens=10, eos_token_id=None), expected)
 
     def cache_free() -> bool:
-        info = run_sync(request_info(model._node.p2p, peer_id)).info
+        info = run_sync(request_info(model.swarm_node.p2p, peer_id)).info
         return info.cache_tokens_free == info.cache_tokens_total
 
     assert wait_until(cache_free, timeout=10), "the session's cache was not released"
@@ -73,7 +73,7 @@ def test_a_quantized_tensor_parallel_server_announces_int8_and_stays_close_to_hf
         model = AutoDistributedModelForCausalLM.from_pretrained(
             tiny_llama_path, initial_peers=swarm.peers, torch_dtype=torch.float32)
         try:
-            info = run_sync(request_info(model._node.p2p, swarm.peer_ids["tp-int8-server"])).info
+            info = run_sync(request_info(model.swarm_node.p2p, swarm.peer_ids["tp-int8-server"])).info
             ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(2))
             with torch.no_grad():
                 logits = model(ids).logits

@@ -61,11 +61,12 @@ def ready_record(server: Server) -> dict[str, object]:
 
 
 def report_ready(server: Server, ready_file: str | None) -> None:
-    """Print the ready record as one JSON line on stdout; with `ready_file`, also write it there atomically."""
+    """With `ready_file`, write the ready record there atomically; then print it as one JSON line on stdout (so a
+    reader of the line finds the file written)."""
     line = json.dumps(ready_record(server))
-    print(line, file=sys.stdout, flush=True)
     if ready_file:
         write_atomically(ready_file, line + "\n")
+    print(line, file=sys.stdout, flush=True)
 
 
 def write_atomically(path: str, text: str) -> None:
