@@ -1,8 +1,9 @@
 """Shared fixtures: tiny random checkpoints written by the tests, and real local swarms over them.
 
-A swarm is a real DHT peer and `corolla serve` processes on 127.0.0.1 (OS-assigned ports), each in its own process
-group; its LocalSwarm always ends those groups (p2pd included), even when a test fails. A server is ready when it
-prints its JSON ready record (peer id, multiaddrs, blocks), read by LocalSwarm.
+A swarm is a real DHT bootstrap peer (in the test process: TestSwarm) and `corolla serve` processes on 127.0.0.1
+(OS-assigned ports), each in its own process group; its TestSwarm always ends those groups (p2pd included), even when
+a test fails. A server is ready when it prints its JSON ready record (peer id, multiaddrs, blocks), read by
+LocalSwarm.
 
 Swarms by topology (`SharedSwarms`): a swarm that several tests or modules use unchanged (the tiny Llama on 0:2 +
 2:4, the demo model on 0:3 + 3:6, each family's tiny checkpoint on 0:2 + 2:4) starts once, on first use, and ends
@@ -15,6 +16,7 @@ free (`shared_swarms_are_left_clean`). A test that kills, corrupts or exhausts a
 from __future__ import annotations
 
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -54,6 +56,42 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- swarms
+class TestSwarm(LocalSwarm):
+    """A LocalSwarm whose DHT bootstrap peer runs in the test process: a real DHT node and p2pd on the client's event
+    loop, instead of a `corolla dht` process whose start-up (its imports: ~2 s of CPU, before any server may
+    start) every swarm would pay. test_cli runs `corolla dht` itself. Everything else is LocalSwarm's: `corolla
+    serve` processes in their own process groups, all ended (then the bootstrap node) on close, even on failure."""
+
+    __test__ = False  # not a test class, whatever its name
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._bootstrap = None
+
+    def start_dht(self, timeout: float = 60.0) -> list[str]:
+        from corolla.client.event_loop import run_sync
+        from corolla.dht import create_swarm_node
+
+        if self._bootstrap is None:
+            self._bootstrap = run_sync(create_swarm_node(host="127.0.0.1"), timeout=timeout)
+            self.initial_peers = run_sync(self._bootstrap.maddrs(), timeout=timeout)
+        return self.initial_peers
+
+    def close(self, grace: float = 0.0) -> None:
+        """End every server at once (SIGKILL to its process group, p2pd included): a graceful shutdown takes seconds
+        per server, and the tests of one (test_failover's clean shutdown, the demo's) make it themselves."""
+        try:
+            for proc in self.processes:
+                proc.signal_group(signal.SIGKILL)
+            super().close(grace)
+        finally:
+            node, self._bootstrap = self._bootstrap, None
+            if node is not None:
+                from corolla.client.event_loop import run_sync
+
+                run_sync(node.shutdown(), timeout=30)
+
+
 @dataclass
 class NamedSwarm:
     """Servers started by name on one DHT: their processes and peer ids by those names."""
@@ -162,7 +200,7 @@ class SharedSwarms:
             directory.mkdir(parents=True, exist_ok=True)
             with ExitStack() as stack:
                 log = stack.enter_context(open(directory / "swarm.log", "a"))
-                local = stack.enter_context(LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(directory / "cache")}))
+                local = stack.enter_context(TestSwarm(log_file=log, env={"COROLLA_CACHE": str(directory / "cache")}))
                 self.swarms[key] = start(local, directory)
                 self._stacks[key] = stack.pop_all()
         return self.swarms[key]
@@ -300,7 +338,7 @@ def save_word_tokenizer(path: str):
 def start_swarm(tiny_llama_path: str, tmp_path: Path) -> Iterator[Callable[..., NamedSwarm]]:
     """start_swarm(name=(blocks, extra args), ...) -> a DHT and those servers over the tiny Llama, all ended after
     the test: for a test that kills, corrupts or exhausts a server."""
-    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
+    with TestSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
         def start(**servers: tuple[str, list[str]]) -> NamedSwarm:
             return start_named_servers(
                 local, tiny_llama_path, {name: ["--blocks", blocks, *extra] for name, (blocks, extra) in servers.items()}

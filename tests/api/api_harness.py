@@ -29,9 +29,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from conftest import NamedSwarm, start_named_servers
+from conftest import NamedSwarm, TestSwarm, start_named_servers
 from corolla.cli.demo_cmd import demo_model_path
-from corolla.cli.local_swarm import LocalSwarm
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}### {{ m['role'] | capitalize }}:\n{{ m['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}### Assistant:\n{% endif %}")
@@ -108,7 +107,7 @@ def api_swarm(tmp_path_factory: pytest.TempPathFactory):
     env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
     log_path = tmp_path_factory.mktemp("logs") / "api-swarm.log"
     apis: list[ApiProcess] = []
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env=env) as local:
         try:
             swarm = start_named_servers(local, model, {
                 "a": ["--blocks", "0:3", "--cache-tokens", "2048"],

@@ -21,10 +21,9 @@ import pytest
 import torch
 
 from api.api_harness import ApiProcess
-from conftest import SERVER_ARGS
+from conftest import SERVER_ARGS, TestSwarm
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.demo_cmd import demo_model_path
-from corolla.cli.local_swarm import LocalSwarm
 from monitor_helpers import running_monitor, wait_for
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -75,7 +74,7 @@ def test_the_page_shows_coverage_live_and_streams_a_chat_reply(browser, tmp_path
     path = str(demo_model_path())  # six blocks and a tokenizer (corolla api needs one)
     env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
     log_path = tmp_path_factory.mktemp("logs") / "browser-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env=env) as local:
         peers = local.start_dht()
         procs = {blocks: local.start_server(path, ["--blocks", blocks, *SERVER_ARGS, "--announce-period", str(ANNOUNCE_PERIOD)],
                                             name=f"browser-{blocks}", wait=False) for blocks in ("0:2", "2:4", "4:6")}

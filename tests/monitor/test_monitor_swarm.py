@@ -14,9 +14,8 @@ import sys
 import pytest
 import torch
 
-from conftest import make_llama_checkpoint, start_named_servers
+from conftest import TestSwarm, make_llama_checkpoint, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.connection import Connection
 from corolla.dht import create_swarm_node
 from corolla.protocol import PROTOCOL_VERSION
@@ -33,7 +32,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
     path = str(make_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / MODEL, **SIX_BLOCKS))
     metrics_port = free_port()
     log_path = tmp_path_factory.mktemp("logs") / "monitor-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
         named = start_named_servers(local, path, {
             "first": ["--blocks", "0:3", "--metrics-port", str(metrics_port)], "second": ["--blocks", "3:6"],
         })

@@ -15,9 +15,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
-from conftest import make_llama_checkpoint, start_named_servers
+from conftest import TestSwarm, make_llama_checkpoint, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.config import ClientConfig
 from corolla.client.connection import Connection
 from corolla.client.event_loop import run_sync
@@ -48,7 +47,7 @@ def lora_swarm(tmp_path_factory: pytest.TempPathFactory):
     adapter = str(root / "my-lora")
     save_random_lora(base, Path(adapter))
     log_path = tmp_path_factory.mktemp("logs") / "lora-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
         swarm = start_named_servers(local, str(base), {
             "a": ["--blocks", "0:2", "--adapters", adapter],
             "b": ["--blocks", "2:4", "--adapters", adapter],

@@ -17,9 +17,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import SERVER_ARGS, NamedSwarm, start_named_servers, wait_until
+from conftest import SERVER_ARGS, NamedSwarm, TestSwarm, start_named_servers, wait_until
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.event_loop import run_sync
 from corolla.client.server_info import request_info
 from corolla.protocol.errors import AllocationFailed, RemoteError
@@ -40,7 +39,7 @@ SERVERS: dict[str, tuple[str, list[str]]] = {
 
 @pytest.fixture(scope="module")
 def swarm(tiny_llama_path, tmp_path_factory) -> Iterator[NamedSwarm]:
-    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
+    with TestSwarm(env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
         yield start_named_servers(
             local, tiny_llama_path, {name: [*args, "--dht-prefix", prefix] for name, (prefix, args) in SERVERS.items()},
             ready_timeout=120,

@@ -21,7 +21,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import SERVER_ARGS
+from conftest import SERVER_ARGS, TestSwarm
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.cli.local_swarm import LocalSwarm
 
@@ -142,7 +142,7 @@ def swarms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenericSwarms]:
     adapter = root / "lora"
     save_random_lora(Path(paths[LORA_TYPE]), adapter)
     log_path = tmp_path_factory.mktemp("logs") / "generic-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
         swarms = GenericSwarms(local, paths, str(adapter))
         swarms.start()
         try:

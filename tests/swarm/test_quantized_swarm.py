@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from conftest import start_named_servers
+from conftest import TestSwarm, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.config import ClientConfig
 from corolla.protocol.errors import MissingBlocks
 
@@ -29,7 +28,7 @@ NF4_LOGITS_COS, NF4_LOGITS_MAX = 3e-2, 0.3
 @pytest.fixture(scope="module")
 def quant_swarm(tiny_llama_path: str, tmp_path_factory: pytest.TempPathFactory):
     log_path = tmp_path_factory.mktemp("logs") / "quant-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
         yield start_named_servers(local, tiny_llama_path, {
             "nf4": ["--blocks", "0:4", "--quant", "nf4"],
             "plain": ["--blocks", "0:4"],

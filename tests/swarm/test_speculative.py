@@ -9,17 +9,15 @@ other families (test_families' swarms, shared), each with the local HF model its
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import start_named_servers
+from conftest import TestSwarm, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.demo_cmd import demo_draft_path
-from corolla.cli.local_swarm import LocalSwarm
+from corolla.cli.main import build_parser
 from test_families import VOCAB, start_family_swarm
 
 TEXT = ("The file system keeps a list of the blocks of each file. The file system keeps a list of the free blocks. "
@@ -189,13 +187,14 @@ def test_prompt_lookup_after_inputs_embeds_equals_plain(demo, model):
         model.generate(inputs_embeds=embeds, max_new_tokens=4, assistant_model=demo["draft"])
 
 
-def test_corolla_generate_prints_the_same_text_with_the_demo_draft_and_with_prompt_lookup(demo, model):
+def test_corolla_generate_prints_the_same_text_with_the_demo_draft_and_with_prompt_lookup(demo, model, capsys):
+    """`corolla generate`'s parser and command, in process (test_cli runs the command as a process)."""
     def generate(*extra: str) -> str:
-        command = [sys.executable, "-m", "corolla.cli.main", "generate", demo["path"], "--initial-peers", *demo["peers"],
-                   "--max-new-tokens", "40", "The server", *extra]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
-        return result.stdout
+        args = build_parser().parse_args(["generate", demo["path"], "--initial-peers", *demo["peers"],
+                                          "--max-new-tokens", "40", "The server", *extra])
+        capsys.readouterr()
+        assert args.func(args) == 0
+        return capsys.readouterr().out
 
     plain = generate()
     assert plain.strip() and generate("--assistant-model", "demo") == plain == generate("--prompt-lookup", "5")
@@ -247,7 +246,7 @@ class KillAfter(Recorder):
             self.action()
 
 
-@pytest.mark.parametrize("drafter", ["itself", "lookup"])
+@pytest.mark.parametrize("drafter", ["itself", pytest.param("lookup", marks=pytest.mark.slow)])  # failover matrix
 def test_killing_a_server_mid_speculation_with_a_replica_keeps_the_greedy_output(tiny_llama_path, tmp_path, drafter):
     """kill -9 of the tail server right after the 10th token: the session replays the inputs the rolled-back
     positions left (not the rejected drafts) into the replica, and the output is plain greedy's."""
@@ -258,7 +257,7 @@ def test_killing_a_server_mid_speculation_with_a_replica_keeps_the_greedy_output
               if drafter == "itself" else dict(prompt_lookup_num_tokens=4))
     servers = {"head": ["--blocks", "0:2"], "tail": ["--blocks", "2:4", "--throughput", "1000"],
                "replica": ["--blocks", "2:4", "--throughput", "10"]}
-    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
+    with TestSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
         swarm = start_named_servers(local, tiny_llama_path, servers)
         model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama_path, initial_peers=swarm.peers)
         try:

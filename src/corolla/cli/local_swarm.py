@@ -98,11 +98,14 @@ class LocalSwarm:
             time.sleep(0.05)
         raise RuntimeError(f"DHT peer did not start:\n{proc.tail()}")
 
-    def start_server(self, model: str, args: Sequence[str] = (), name: str | None = None, wait: bool = True, timeout: float = 180.0) -> LocalProcess:
-        """Start `corolla serve MODEL --initial-peers ... ARGS`; with wait, block until it logs 'serving blocks'."""
+    def start_server(self, model: str, args: Sequence[str] = (), name: str | None = None, wait: bool = True,
+                     timeout: float = 180.0, verbose: bool = False) -> LocalProcess:
+        """Start `corolla serve MODEL --initial-peers ... ARGS` (`corolla -v serve`, DEBUG logs, with `verbose`); with
+        wait, block until it is ready (its JSON ready record)."""
         if not self.initial_peers:
             raise RuntimeError("start_dht() first")
-        proc = self._spawn(name or f"server{len(self.processes)}", ["serve", model, "--initial-peers", *self.initial_peers, *args])
+        argv = ["serve", model, "--initial-peers", *self.initial_peers, *args]
+        proc = self._spawn(name or f"server{len(self.processes)}", ["-v", *argv] if verbose else argv)
         if wait:
             self.wait_ready(proc, timeout)
         return proc
