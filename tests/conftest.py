@@ -15,11 +15,14 @@ free (`shared_swarms_are_left_clean`). A test that kills, corrupts or exhausts a
 
 from __future__ import annotations
 
+import io
+import logging
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +46,29 @@ def make_llama_checkpoint(directory: Path, seed: int = 0, **overrides: object) -
     config = LlamaConfig(**{**TINY_LLAMA, **overrides})
     LlamaForCausalLM(config).eval().save_pretrained(directory)
     return directory
+
+
+def run_corolla(*args: str) -> subprocess.CompletedProcess[str]:
+    """`corolla ARGS` run in this process as the console script runs it (cli.main.main): its exit code and what it
+    printed, as `subprocess.run(..., capture_output=True, text=True)` gives them. For tests of what a command answers
+    (help, argument errors, a status report): a process per call would pay the package's import, seconds, again
+    (test_cli runs commands as processes). The logging set-up main() installs is undone afterwards."""
+    from corolla.cli.main import main
+
+    loggers = [logging.getLogger(name) for name in ("", "corolla", "hivemind")]
+    saved = [(logger.handlers[:], logger.level, logger.propagate) for logger in loggers]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse: 0 after --help, 2 for a bad argument
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        for logger, (handlers, level, propagate) in zip(loggers, saved):
+            logger.handlers[:], logger.propagate = handlers, propagate
+            logger.setLevel(level)
+    return subprocess.CompletedProcess(["corolla", *args], code, out.getvalue(), err.getvalue())
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:

@@ -8,13 +8,11 @@ import asyncio
 import json
 import re
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import TestSwarm, make_llama_checkpoint, start_named_servers
+from conftest import TestSwarm, make_llama_checkpoint, run_corolla, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
 from corolla.client.connection import Connection
 from corolla.dht import create_swarm_node
@@ -128,8 +126,7 @@ def test_an_error_reply_is_counted_by_rpc_and_code(swarm):
 
 
 def test_status_agrees_with_the_monitor(swarm):
-    result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", *swarm["peers"], "--json"],
-                            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    result = run_corolla("status", "--initial-peers", *swarm["peers"], "--json")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     page = get_json(swarm["monitor"].url + "/api/v1/state?history=false")
@@ -140,8 +137,7 @@ def test_status_agrees_with_the_monitor(swarm):
 
 
 def test_status_of_one_model_keeps_its_json_shape(swarm):
-    result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", *swarm["peers"],
-                             "--model", swarm["path"], "--json"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    result = run_corolla("status", "--initial-peers", *swarm["peers"], "--model", swarm["path"], "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert (report["dht_prefix"], report["num_blocks"], report["uncovered_blocks"]) == (MODEL, 6, [])
@@ -156,7 +152,7 @@ def test_monitor_stops_cleanly_on_sigterm(swarm):
 
 
 def test_monitor_answers_help():
-    result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "monitor", "--help"], capture_output=True, text=True, timeout=60)
+    result = run_corolla("monitor", "--help")
     assert result.returncode == 0 and "usage: corolla monitor" in result.stdout and "--initial-peers" in result.stdout
 
 
@@ -169,8 +165,7 @@ NOBODY = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWBA7wYAHDVUrcMHpb9gC9hmTiYxmUxNqhcTddm
     (["--initial-peers", NOBODY, "--port", "0"], "could not join the swarm through " + NOBODY),
 ])
 def test_monitor_refuses_bad_arguments_with_a_clear_error(args, message):
-    result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "monitor", *args], capture_output=True, text=True,
-                            timeout=60, stdin=subprocess.DEVNULL)
+    result = run_corolla("monitor", *args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
@@ -179,7 +174,5 @@ def test_monitor_on_a_taken_port_is_a_clear_error():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "monitor", "--initial-peers",
-                                 "/ip4/127.0.0.1/tcp/1/p2p/QmNotUsed", "--port", str(port)],
-                                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        result = run_corolla("monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotUsed", "--port", str(port))
     assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr, result.stderr

@@ -29,7 +29,7 @@ def test_a_dht_peer_restarted_with_its_identity_keeps_its_multiaddr(tmp_path):
     identity, port = tmp_path / "dht.key", str(free_port())
     first = run_dht("--identity", str(identity), "--port", port)
     assert stat.S_IMODE(os.stat(identity).st_mode) == 0o600
-    assert len(first) == 1 and first[0].startswith(f"/ip4/127.0.0.1/tcp/{port}/p2p/Qm"), first
+    assert len(first) == 1 and first[0].startswith(f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooW"), first
     assert run_dht("--identity", str(identity), "--port", port) == first
     assert run_dht("--port", str(free_port()))[0].split("/p2p/")[1] != first[0].split("/p2p/")[1]
 

@@ -1,4 +1,7 @@
-"""The command line per the public contract: every command answers --help; dht, status and generate work."""
+"""The command line per the public contract: every command answers --help; dht, status and generate work.
+
+`corolla dht`, `generate` and `demo` run as processes, as users run them; what only checks a command's answer (help,
+argument errors, status) runs main() in process (conftest.run_corolla)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import save_word_tokenizer
+from conftest import run_corolla, save_word_tokenizer
 from corolla.cli.local_swarm import LocalSwarm
 from corolla.cli.main import build_parser
 
@@ -52,7 +55,7 @@ def test_serve_reports_readiness_in_a_json_line_a_ready_file_and_its_log_line(ll
 
 
 def test_status_lists_each_server_and_its_blocks(llama_swarm):
-    result = corolla("status", "--initial-peers", *llama_swarm.initial_peers, "--model", llama_swarm.model_path, "--json")
+    result = run_corolla("status", "--initial-peers", *llama_swarm.initial_peers, "--model", llama_swarm.model_path, "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     spans = sorted((s["start_block"], s["end_block"], s["state"]) for s in report["servers"])
@@ -69,12 +72,12 @@ def test_generate_command_prints_a_continuation(llama_swarm, tmp_path):
 
 
 def test_serve_without_peers_or_new_swarm_is_a_clear_error(tiny_llama_path):
-    result = corolla("serve", tiny_llama_path, "--blocks", "0:1")
+    result = run_corolla("serve", tiny_llama_path, "--blocks", "0:1")
     assert result.returncode == 2 and "--initial-peers" in result.stderr
 
 
 def test_serve_with_an_unknown_block_range_is_a_clear_error(tiny_llama_path, llama_swarm):
-    result = corolla("serve", tiny_llama_path, "--initial-peers", *llama_swarm.initial_peers, "--blocks", "2:9")
+    result = run_corolla("serve", tiny_llama_path, "--initial-peers", *llama_swarm.initial_peers, "--blocks", "2:9")
     assert result.returncode == 2 and "outside the model's 4 blocks" in result.stderr
 
 
