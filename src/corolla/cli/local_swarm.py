@@ -158,15 +158,18 @@ class LocalSwarm:
         self.close()
 
     def _spawn(self, name: str, argv: list[str]) -> LocalProcess:
-        popen = subprocess.Popen(
+        proc = LocalProcess(name, self._start_process(argv))
+        self.processes.append(proc)
+        threading.Thread(target=self._pump, args=(proc,), name=f"log-{name}", daemon=True).start()
+        return proc
+
+    def _start_process(self, argv: list[str]) -> subprocess.Popen[str]:
+        """`corolla ARGV` in a new session (its own process group), stdout and stderr together as text."""
+        return subprocess.Popen(
             [self.python, "-m", "corolla.cli.main", *argv],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             text=True, env=self.env, start_new_session=True,
         )
-        proc = LocalProcess(name, popen)
-        self.processes.append(proc)
-        threading.Thread(target=self._pump, args=(proc,), name=f"log-{name}", daemon=True).start()
-        return proc
 
     def _pump(self, proc: LocalProcess) -> None:
         assert proc.popen.stdout is not None
