@@ -98,10 +98,8 @@ class TestSwarm(LocalSwarm):
         self._bootstrap = None
 
     def _start_process(self, argv: list[str]):
-        """`corolla serve` forked from the session's server zygote (server_zygote: the imports are paid once), any
-        other command (or every one, where the zygote cannot start) as a fresh process."""
-        zygote = server_zygote.zygote() if "serve" in argv[:2] else None
-        return zygote.spawn(argv, self.env) if zygote is not None else super()._start_process(argv)
+        """`corolla serve` forked from the session's zygote (server_zygote: the imports are paid once)."""
+        return server_zygote.start_corolla(argv, self.env)
 
     def start_dht(self, timeout: float = 60.0) -> list[str]:
         from corolla.client.event_loop import run_sync
@@ -298,6 +296,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     for key in shared_swarm_keys(item):
         if _last_user.get(key) == item.nodeid:
             _SHARED.release(key)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    server_zygote.start()  # its imports overlap collection and the first tests
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

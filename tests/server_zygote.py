@@ -1,4 +1,4 @@
-"""Start `corolla serve` processes by forking one that has imported the package already (a "zygote").
+"""Start `corolla` processes (serve, api, monitor) by forking one that has imported the package already (a "zygote").
 
 A fresh `python -m corolla.cli.main serve ...` spends about 3.5 s of CPU importing torch, transformers, hivemind and
 corolla before it does anything of its own; the suite starts about a hundred servers. The zygote is one process,
@@ -25,7 +25,9 @@ import sys
 import threading
 from typing import IO
 
-PRELOAD = ("corolla.cli.main", "corolla.server.server", "corolla.server.block_loading", "corolla.models")
+# what `corolla serve` (with adapters or quantization), `corolla api` and `corolla monitor` import on their way
+PRELOAD = ("corolla.cli.main", "corolla.server.server", "corolla.server.block_loading", "corolla.models", "peft",
+           "bitsandbytes", "uvicorn", "corolla.api.app", "corolla.monitor.app")
 
 
 # ------------------------------------------------------------------------------------------- in the zygote
@@ -150,10 +152,11 @@ class ZygoteClient:
     """The test process's end of the zygote: `spawn(argv, env)` forks a `corolla` process from it."""
 
     def __init__(self) -> None:
+        """Start the zygote (its imports take a few seconds; `ready()` waits for them)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._process = subprocess.Popen(
             [sys.executable, "-c", f"import server_zygote; server_zygote._zygote_main({theirs.fileno()})"],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])},
         )
         theirs.close()
@@ -163,11 +166,21 @@ class ZygoteClient:
         self._spawned: queue.Queue[dict] = queue.Queue()
         self._processes: dict[int, ForkedProcess] = {}
         self._early_exits: dict[int, int] = {}
-        first = json.loads(self._control.recv(1 << 16) or b'{"error": "the zygote exited"}')
-        if "ready" not in first:
-            self.close()
-            raise RuntimeError(f"server zygote did not start: {first.get('error')}")
-        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+        self._ready: dict | None = None
+
+    def ready(self, timeout: float = 120.0) -> None:
+        """Wait until the zygote has imported everything; RuntimeError if it cannot (it exits)."""
+        if self._ready is None:
+            self._control.settimeout(timeout)
+            try:
+                self._ready = json.loads(self._control.recv(1 << 16) or b'{"error": "the zygote exited"}')
+            except OSError as e:
+                self._ready = {"error": f"{type(e).__name__}: {e}"}
+            self._control.settimeout(None)
+            if "ready" in self._ready:
+                threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+        if "ready" not in self._ready:
+            raise RuntimeError(f"server zygote did not start: {self._ready.get('error')}")
 
     def _read(self) -> None:
         while True:
@@ -190,12 +203,13 @@ class ZygoteClient:
 
     def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
         """`corolla ARGV` with environment `env`, forked from the zygote; its stdout and stderr together, as text."""
+        self.ready()
         read_fd, write_fd = os.pipe()
         try:
             with self._requesting:
                 socket.send_fds(self._control, [json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()],
                                 [write_fd])
-                pid = self._spawned.get(timeout=60)["spawned"]
+                pid = self._next_spawned()
         except BaseException:
             os.close(read_fd)
             raise
@@ -210,6 +224,14 @@ class ZygoteClient:
             process._exit(early)
         return process
 
+    def _next_spawned(self) -> int:
+        while True:
+            try:
+                return self._spawned.get(timeout=1.0)["spawned"]
+            except queue.Empty:
+                if self._process.poll() is not None:
+                    raise RuntimeError(f"server zygote exited with code {self._process.returncode}") from None
+
     def close(self) -> None:
         self._control.close()  # the zygote sees end of file and exits
         try:
@@ -222,15 +244,41 @@ _client: ZygoteClient | None = None
 _failed: str | None = None
 
 
-def zygote() -> ZygoteClient | None:
-    """The session's zygote, started on first use; None where it cannot start (then spawn processes as usual)."""
+def start() -> None:
+    """Start the session's zygote without waiting for its imports (call early: they overlap other work)."""
     global _client, _failed
     if _client is None and _failed is None:
         try:
             _client = ZygoteClient()
         except Exception as e:  # noqa: BLE001 (any failure: fall back to plain processes)
             _failed = f"{type(e).__name__}: {e}"
+
+
+def zygote() -> ZygoteClient | None:
+    """The session's zygote once ready (started on first use); None where it cannot start (then spawn processes
+    as usual)."""
+    global _client, _failed
+    start()
+    if _client is not None:
+        try:
+            _client.ready()
+        except Exception as e:  # noqa: BLE001
+            _failed = f"{type(e).__name__}: {e}"
+            _client.close()
+            _client = None
     return _client
+
+
+def start_corolla(argv: list[str], env: dict[str, str]):
+    """`corolla ARGV` in a new session (its own process group) with environment `env`, stdout and stderr together
+    as text: forked from the zygote, or a fresh `python -m corolla.cli.main` where there is none. Returns a
+    subprocess.Popen or a ForkedProcess (the same interface, as far as the tests use it)."""
+    client = zygote()
+    if client is not None:
+        return client.spawn(argv, env)
+    return subprocess.Popen([sys.executable, "-m", "corolla.cli.main", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env,
+                            start_new_session=True)
 
 
 def close() -> None:

@@ -19,7 +19,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -30,6 +29,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from conftest import NamedSwarm, TestSwarm, start_named_servers
+from server_zygote import start_corolla
 from corolla.cli.demo_cmd import demo_model_path
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}### {{ m['role'] | capitalize }}:\n{{ m['content'] }}\n"
@@ -42,11 +42,8 @@ class ApiProcess:
 
     def __init__(self, model: str, peers: list[str], args: list[str], env: dict[str, str], ready_timeout: float = 180.0):
         self.log: deque[str] = deque(maxlen=400)
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "corolla.cli.main", "api", model, "--initial-peers", *peers, "--port", "0",
-             "--num-threads", "1", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self.popen = start_corolla(["api", model, "--initial-peers", *peers, "--port", "0", "--num-threads", "1", *args],
+                                   {**os.environ, **env, "PYTHONUNBUFFERED": "1"})  # forked from the tests' zygote
         self._found = threading.Event()
         self.url = ""
         threading.Thread(target=self._pump, daemon=True).start()

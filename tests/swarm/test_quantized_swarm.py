@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from conftest import TestSwarm, start_named_servers
+from conftest import TestSwarm, run_corolla, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
 from corolla.client.config import ClientConfig
 from corolla.protocol.errors import MissingBlocks
@@ -53,11 +51,7 @@ def swarm_logits(swarm, ids: torch.Tensor, **config: object) -> torch.Tensor:
 
 
 def test_status_shows_each_servers_quantization_and_measured_block_bytes(quant_swarm, reference):
-    result = subprocess.run(
-        [sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", *quant_swarm.peers,
-         "--model", quant_swarm.model_path, "--json"],
-        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-    )
+    result = run_corolla("status", "--initial-peers", *quant_swarm.peers, "--model", quant_swarm.model_path, "--json")
     assert result.returncode == 0, result.stderr
     by_peer = {s["peer_id"]: s for s in json.loads(result.stdout)["servers"]}
     nf4, plain = by_peer[quant_swarm.peer_ids["nf4"]], by_peer[quant_swarm.peer_ids["plain"]]
