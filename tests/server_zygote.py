@@ -9,9 +9,10 @@ random number generators it shares with its siblings, and runs `corolla.cli.main
 real process of its own, minus the imports. The zygote never runs a thread, an event loop or a torch op before it
 forks (those do not survive a fork); it reaps its children and reports their exit codes.
 
-`ZygoteClient.spawn` returns a `ForkedProcess`, which offers what LocalSwarm and the tests use of a
-`subprocess.Popen`: pid, args, stdout, poll, wait, send_signal, returncode. Where the zygote cannot start, callers
-fall back to a plain subprocess (`available()` says so).
+`start_corolla(argv, env)` returns a `ForkedProcess`, which offers what LocalSwarm and the tests use of a
+`subprocess.Popen` (pid, args, stdout, poll, wait, send_signal, returncode), or, where the zygote cannot start, a
+plain `subprocess.Popen` of `python -m corolla.cli.main`. The tests still run `corolla dht`, `generate`, `demo` and
+`api --help` as fresh interpreters (test_cli, test_api_cli, tests/net), so the package's own import is covered.
 """
 
 from __future__ import annotations
