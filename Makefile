@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 VENV_PYTHON := $(VENV)/bin/python
 
-.PHONY: install demo test bench
+.PHONY: install demo test test-all collect bench
 
 $(VENV_PYTHON):
 	$(PYTHON) -m venv $(VENV) || { echo "could not create $(VENV): on Debian/Ubuntu, apt-get install python3-venv" >&2; exit 1; }
@@ -17,8 +17,18 @@ install: $(VENV_PYTHON)
 demo: install
 	$(VENV)/bin/corolla demo
 
+# the default tiers (unit + swarm; about 8 minutes on 2 cores), then the 15 slowest tests
 test: install
-	$(VENV_PYTHON) -m pytest
+	$(VENV_PYTHON) -m pytest --durations=15
+
+# everything, `slow` included (the fuzz's thousands of cases, 1,000 churn sessions, the failover matrix, long WAN
+# scenarios; `net` tests need root and skip elsewhere): under 40 minutes on 2 cores
+test-all: install
+	$(VENV_PYTHON) -m pytest -m "" --durations=30
+
+# collect every test, `slow` included, without running any: an import or parametrization error fails here at once
+collect: install
+	$(VENV_PYTHON) -m pytest --collect-only -q -m ""
 
 bench: install
 	$(VENV_PYTHON) bench/bench_generate.py

@@ -19,7 +19,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -29,9 +28,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from conftest import NamedSwarm, start_named_servers
+from conftest import NamedSwarm, TestSwarm, start_named_servers
+from server_zygote import start_corolla
 from corolla.cli.demo_cmd import demo_model_path
-from corolla.cli.local_swarm import LocalSwarm
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}### {{ m['role'] | capitalize }}:\n{{ m['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}### Assistant:\n{% endif %}")
@@ -43,11 +42,8 @@ class ApiProcess:
 
     def __init__(self, model: str, peers: list[str], args: list[str], env: dict[str, str], ready_timeout: float = 180.0):
         self.log: deque[str] = deque(maxlen=400)
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "corolla.cli.main", "api", model, "--initial-peers", *peers, "--port", "0",
-             "--num-threads", "1", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self.popen = start_corolla(["api", model, "--initial-peers", *peers, "--port", "0", "--num-threads", "1", *args],
+                                   {**os.environ, **env, "PYTHONUNBUFFERED": "1"})  # forked from the tests' zygote
         self._found = threading.Event()
         self.url = ""
         threading.Thread(target=self._pump, daemon=True).start()
@@ -108,7 +104,7 @@ def api_swarm(tmp_path_factory: pytest.TempPathFactory):
     env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
     log_path = tmp_path_factory.mktemp("logs") / "api-swarm.log"
     apis: list[ApiProcess] = []
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env=env) as local:
         try:
             swarm = start_named_servers(local, model, {
                 "a": ["--blocks", "0:3", "--cache-tokens", "2048"],

@@ -145,13 +145,10 @@ def test_tensor_parallelism_is_refused_for_the_generic_backend() -> None:
 
 
 def test_corolla_models_prints_the_table_and_answers_help() -> None:
-    import subprocess
-    import sys
-
+    from conftest import run_corolla
     from corolla.models.registry import models_table
 
-    run = [sys.executable, "-m", "corolla.cli.main", "models"]
-    printed = subprocess.run(run, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    printed = run_corolla("models")
     assert printed.returncode == 0 and printed.stdout.rstrip("\n") == models_table()
-    helped = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    helped = run_corolla("models", "--help")
     assert helped.returncode == 0 and "usage: corolla models" in helped.stdout

@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -18,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from server_zygote import start_corolla
 
 URL_LINE = re.compile(r"INFO .*(http://[0-9.]+:\d+)")
 SIX_BLOCKS = dict(num_hidden_layers=6)  # the tiny Llama with 6 blocks: three servers of two blocks each
@@ -37,11 +38,8 @@ class MonitorProcess:
 def running_monitor(initial_peers: list[str], *args: str, timeout: float = 120.0) -> Iterator[MonitorProcess]:
     """`corolla monitor --initial-peers ... --port 0 ARGS` in its own process group, once it logged its URL; ended
     with SIGTERM (the group SIGKILLed after a grace period) however the test ends."""
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "corolla.cli.main", "monitor", "--initial-peers", *initial_peers, "--port", "0", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-    )
+    popen = start_corolla(["monitor", "--initial-peers", *initial_peers, "--port", "0", *args],
+                          {**os.environ, "PYTHONUNBUFFERED": "1"})
     proc = MonitorProcess(popen)
     found = threading.Event()
 
@@ -123,11 +121,3 @@ def wait_for(predicate, timeout: float, interval: float = 0.25, describe=None):
             seen = f"; seen: {describe()}" if describe is not None else ""
             raise AssertionError(f"condition not met within {timeout:.0f}s{seen}")
         time.sleep(interval)
-
-
-def peer_id_from_log(log: str) -> str:
-    """The peer id a server printed in its "serving blocks A:B of MODEL as PEER_ID" line."""
-    match = re.search(r"serving blocks \S+ of .* as (\S+)", log)
-    if match is None:
-        raise AssertionError(f"no peer id in server log:\n{log}")
-    return match.group(1)

@@ -21,11 +21,10 @@ import pytest
 import torch
 
 from api.api_harness import ApiProcess
-from conftest import SERVER_ARGS
+from conftest import SERVER_ARGS, TestSwarm
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.demo_cmd import demo_model_path
-from corolla.cli.local_swarm import LocalSwarm
-from monitor_helpers import peer_id_from_log, running_monitor, wait_for
+from monitor_helpers import running_monitor, wait_for
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 ANNOUNCE_PERIOD = 15.0  # seconds between the servers' announces; their records live 90 s
@@ -75,13 +74,13 @@ def test_the_page_shows_coverage_live_and_streams_a_chat_reply(browser, tmp_path
     path = str(demo_model_path())  # six blocks and a tokenizer (corolla api needs one)
     env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
     log_path = tmp_path_factory.mktemp("logs") / "browser-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env=env) as local:
         peers = local.start_dht()
         procs = {blocks: local.start_server(path, ["--blocks", blocks, *SERVER_ARGS, "--announce-period", str(ANNOUNCE_PERIOD)],
                                             name=f"browser-{blocks}", wait=False) for blocks in ("0:2", "2:4", "4:6")}
         for proc in procs.values():
             local.wait_ready(proc)
-        peer_ids = {blocks: peer_id_from_log(proc.tail(200)) for blocks, proc in procs.items()}
+        peer_ids = {blocks: proc.peer_id for blocks, proc in procs.items()}
 
         with running_monitor(peers, "--refresh-period", "1") as monitor:
             browser.get(monitor.url)

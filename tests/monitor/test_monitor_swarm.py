@@ -8,15 +8,12 @@ import asyncio
 import json
 import re
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import make_llama_checkpoint, start_named_servers
+from conftest import TestSwarm, make_llama_checkpoint, run_corolla, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.connection import Connection
 from corolla.dht import create_swarm_node
 from corolla.protocol import PROTOCOL_VERSION
@@ -33,7 +30,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
     path = str(make_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / MODEL, **SIX_BLOCKS))
     metrics_port = free_port()
     log_path = tmp_path_factory.mktemp("logs") / "monitor-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
         named = start_named_servers(local, path, {
             "first": ["--blocks", "0:3", "--metrics-port", str(metrics_port)], "second": ["--blocks", "3:6"],
         })
@@ -129,8 +126,7 @@ def test_an_error_reply_is_counted_by_rpc_and_code(swarm):
 
 
 def test_status_agrees_with_the_monitor(swarm):
-    result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", *swarm["peers"], "--json"],
-                            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    result = run_corolla("status", "--initial-peers", *swarm["peers"], "--json")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     page = get_json(swarm["monitor"].url + "/api/v1/state?history=false")
@@ -141,8 +137,7 @@ def test_status_agrees_with_the_monitor(swarm):
 
 
 def test_status_of_one_model_keeps_its_json_shape(swarm):
-    result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", *swarm["peers"],
-                             "--model", swarm["path"], "--json"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    result = run_corolla("status", "--initial-peers", *swarm["peers"], "--model", swarm["path"], "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert (report["dht_prefix"], report["num_blocks"], report["uncovered_blocks"]) == (MODEL, 6, [])
@@ -157,7 +152,7 @@ def test_monitor_stops_cleanly_on_sigterm(swarm):
 
 
 def test_monitor_answers_help():
-    result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "monitor", "--help"], capture_output=True, text=True, timeout=60)
+    result = run_corolla("monitor", "--help")
     assert result.returncode == 0 and "usage: corolla monitor" in result.stdout and "--initial-peers" in result.stdout
 
 
@@ -170,8 +165,7 @@ NOBODY = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWBA7wYAHDVUrcMHpb9gC9hmTiYxmUxNqhcTddm
     (["--initial-peers", NOBODY, "--port", "0"], "could not join the swarm through " + NOBODY),
 ])
 def test_monitor_refuses_bad_arguments_with_a_clear_error(args, message):
-    result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "monitor", *args], capture_output=True, text=True,
-                            timeout=60, stdin=subprocess.DEVNULL)
+    result = run_corolla("monitor", *args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
@@ -180,7 +174,5 @@ def test_monitor_on_a_taken_port_is_a_clear_error():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "corolla.cli.main", "monitor", "--initial-peers",
-                                 "/ip4/127.0.0.1/tcp/1/p2p/QmNotUsed", "--port", str(port)],
-                                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        result = run_corolla("monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotUsed", "--port", str(port))
     assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr, result.stderr

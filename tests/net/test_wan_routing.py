@@ -42,6 +42,7 @@ def swarm_view(agent: Agent) -> dict | None:
     return reply if reply["ok"] else None
 
 
+@pytest.mark.slow  # a long WAN scenario; the default run keeps test_wan_swarm's private swarm
 def test_push_client_routes_through_close_servers_and_relay_client_through_the_one_near_it(
         tiny_llama_path, reference, net_log):
     with EmulatedNetwork(list(DELAYS), delays=DELAYS) as net:

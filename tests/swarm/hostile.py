@@ -138,13 +138,34 @@ class HonestClients:
         self.generations[index] += 1
 
 
-class ServerWatch:
-    """What each server of a swarm holds, asked over a P2P node of the test's own (in its event loop)."""
+def idle_fds(swarm: NamedSwarm) -> dict[str, int]:
+    """Per server of a swarm no client has used yet, the file descriptors it holds at rest (the fewest of a few
+    looks, so that a stream of its own announcing is not counted)."""
+    looks = []
+    for _ in range(3):
+        looks.append({name: open_fds(proc.pid) for name, proc in swarm.procs.items()})
+        time.sleep(0.1)
+    return {name: min(look[name] for look in looks) for name in swarm.procs}
 
-    def __init__(self, swarm: NamedSwarm, node: LoopNode):
+
+def wait_push_streams_gone(swarm: NamedSwarm, at_rest: dict[str, int] | None) -> None:
+    """Wait until no push stream is left open between the servers: every server back to its `at_rest` descriptor
+    count (idle_fds), at most PUSH_IDLE_OUT seconds; without `at_rest`, PUSH_IDLE_OUT seconds."""
+    if at_rest is None:
+        time.sleep(PUSH_IDLE_OUT)
+        return
+    wait_until(lambda: all(open_fds(proc.pid) == at_rest[name] for name, proc in swarm.procs.items()),
+               timeout=PUSH_IDLE_OUT, interval=0.2)
+
+
+class ServerWatch:
+    """What each server of a swarm holds, asked over a P2P node of the test's own (in its event loop). Its baseline
+    is taken once no push stream is open (see the module doc): at once on servers back to `at_rest` (idle_fds)."""
+
+    def __init__(self, swarm: NamedSwarm, node: LoopNode, at_rest: dict[str, int] | None = None):
         self.swarm = swarm
         self.node = node
-        time.sleep(PUSH_IDLE_OUT)  # the baseline holds no push stream (see the module doc)
+        wait_push_streams_gone(swarm, at_rest)  # the baseline holds no push stream (see the module doc)
         self.baseline = {name: fd_targets(proc.pid) for name, proc in swarm.procs.items()}
         self.baseline_fds = {name: len(fds) for name, fds in self.baseline.items()}
         self.baseline_threads = {name: process_threads(proc.pid) for name, proc in swarm.procs.items()}
@@ -156,8 +177,11 @@ class ServerWatch:
         """Per server, what is not back to its start: open sessions, reserved cache, extra file descriptors."""
         problems = {}
         for name, proc in self.swarm.procs.items():
-            fds = open_fds(proc.pid)  # before asking: the answer's own stream is open for a moment
             info = self.info(name)
+            # the answer's own stream stays open until the server sees our end closed, longer than a poll's interval
+            # on a loaded machine: the count is read once it is gone (or after a few seconds)
+            wait_until(lambda: open_fds(proc.pid) <= self.baseline_fds[name], timeout=3.0, interval=0.05)
+            fds = open_fds(proc.pid)
             if (info.active_sessions, info.info.cache_tokens_free, fds) != (0, info.info.cache_tokens_total,
                                                                            self.baseline_fds[name]):
                 problems[name] = (f"sessions {info.active_sessions}, cache free {info.info.cache_tokens_free} of "

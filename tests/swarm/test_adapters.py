@@ -15,9 +15,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
-from conftest import make_llama_checkpoint, start_named_servers, wait_until
+from conftest import TestSwarm, make_llama_checkpoint, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.config import ClientConfig
 from corolla.client.connection import Connection
 from corolla.client.event_loop import run_sync
@@ -48,7 +47,7 @@ def lora_swarm(tmp_path_factory: pytest.TempPathFactory):
     adapter = str(root / "my-lora")
     save_random_lora(base, Path(adapter))
     log_path = tmp_path_factory.mktemp("logs") / "lora-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
         swarm = start_named_servers(local, str(base), {
             "a": ["--blocks", "0:2", "--adapters", adapter],
             "b": ["--blocks", "2:4", "--adapters", adapter],
@@ -77,22 +76,14 @@ def clients(lora_swarm):
 
 
 @pytest.fixture(autouse=True)
-def caches_are_released_and_servers_alive(clients, lora_swarm):
+def caches_are_released_and_servers_alive(lora_swarm):
     yield
-    swarm, _ = lora_swarm
-
-    def free() -> bool:
-        infos = [run_sync(request_info(clients[1]._node.p2p, peer)).info for peer in swarm.peer_ids.values()]
-        return all(i.cache_tokens_free == i.cache_tokens_total for i in infos)
-
-    assert wait_until(free, timeout=10), "a session's cache was not released"
-    for proc in swarm.procs.values():
-        assert proc.alive(), f"{proc.name} died:\n{proc.tail()}"
+    lora_swarm[0].assert_clean()
 
 
 def test_servers_announce_their_adapters(clients, lora_swarm):
     swarm, adapter = lora_swarm
-    announced = {name: run_sync(request_info(clients[1]._node.p2p, peer)).info.adapters for name, peer in swarm.peer_ids.items()}
+    announced = {name: run_sync(request_info(clients[1].swarm_node.p2p, peer)).info.adapters for name, peer in swarm.peer_ids.items()}
     assert announced == {"a": (adapter,), "b": (adapter,), "c": ()}
 
 
@@ -137,7 +128,7 @@ def test_an_unknown_adapter_is_a_clear_error(clients, lora_swarm):
     finally:
         client.shutdown()
     # a client that asks a server directly is refused before any cache is reserved
-    connection = run_sync(Connection.open(clients[1]._node.p2p, swarm.peer_ids["a"], "inference", timeout=10))
+    connection = run_sync(Connection.open(clients[1].swarm_node.p2p, swarm.peer_ids["a"], "inference", timeout=10))
     try:
         async def open_with_unknown_adapter():
             await connection.send(OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=0, end=2),

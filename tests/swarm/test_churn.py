@@ -15,15 +15,14 @@ from collections import Counter
 
 import pytest
 
-from conftest import start_named_servers
+from conftest import TestSwarm, start_named_servers
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.cli.local_swarm import LocalSwarm
 from fuzz_cases import H, Fuzzer, Target, Walk, bad_step, partial, randn, step_frame, valid_step
-from hostile import HOSTILE_ARGS, SESSION_TIMEOUT, HonestClients, LoopNode, ServerWatch, log_problems
+from hostile import HOSTILE_ARGS, SESSION_TIMEOUT, HonestClients, LoopNode, ServerWatch, idle_fds, log_problems
 from raw_frames import tensor_frame
 
 SEED = 1017
-SESSIONS = 1000
+SESSIONS = 1000  # `slow`; the default run: 50
 CONCURRENCY = 24
 CACHE_TOKENS = 8192  # per server: a few stalled sessions of up to 2048 tokens fill it, and the others queue
 MODES = ["close", "drop", "stall", "overflow", "never_step", "bad_step", "vanish_while_opening",
@@ -32,14 +31,16 @@ MODES = ["close", "drop", "stall", "overflow", "never_step", "bad_step", "vanish
 
 @pytest.fixture(scope="module")
 def churn_swarm(tiny_llama_path, tmp_path_factory):
-    """Servers a (blocks 0:2) and b (2:4) with short timeouts and CACHE_TOKENS each, their log, a P2P node."""
+    """Servers a (blocks 0:2) and b (2:4) with short timeouts and CACHE_TOKENS each, their log, a P2P node, their
+    file descriptors at rest (hostile.idle_fds)."""
     log_path = tmp_path_factory.mktemp("logs") / "churn.log"
     args = [*HOSTILE_ARGS, "--cache-tokens", str(CACHE_TOKENS)]  # the later --cache-tokens wins
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("c"))}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("c"))}) as local:
         swarm = start_named_servers(local, tiny_llama_path, {"a": ["--blocks", "0:2", *args], "b": ["--blocks", "2:4", *args]})
+        at_rest = idle_fds(swarm)
         node = LoopNode(swarm.peers)
         try:
-            yield swarm, node, log_path
+            yield swarm, node, log_path, at_rest
         finally:
             node.close()
 
@@ -109,23 +110,23 @@ async def churn_session(fz: Fuzzer, rng: random.Random, target: Target) -> None:
             fz.dropped(case)
 
 
-def test_a_thousand_sessions_abandoned_in_every_way_leave_nothing_behind(churn_swarm):
-    swarm, node, log_path = churn_swarm
+@pytest.mark.parametrize("sessions", [50, pytest.param(SESSIONS, marks=pytest.mark.slow)])
+def test_a_thousand_sessions_abandoned_in_every_way_leave_nothing_behind(churn_swarm, sessions):
+    swarm, node, log_path, at_rest = churn_swarm
     clients = HonestClients(swarm.model_path, swarm.peers)
     try:
+        watch = ServerWatch(swarm, node, at_rest)
         clients.check_once()
-        time.sleep(1.0)
-        watch = ServerWatch(swarm, node)
         churn = Fuzzer(node.p2p, [Target("a", swarm.peer_ids["a"], 0, 2), Target("b", swarm.peer_ids["b"], 2, 4)])
         clients.start()
         begin = time.monotonic()
-        node.run(churn.run([churn_session], SESSIONS, SEED, CONCURRENCY), timeout=900)
+        node.run(churn.run([churn_session], sessions, SEED, CONCURRENCY), timeout=900)
         elapsed = time.monotonic() - begin
         clients.stop()
         during = list(clients.generations)
         clients.check_once()
         problems = watch.wait_settled(timeout=3 * SESSION_TIMEOUT + 30)
-        _report(churn, elapsed, during)
+        _report(churn, sessions, elapsed, during)
 
         for name, proc in swarm.procs.items():
             assert proc.alive(), f"server {name} died:\n{proc.tail()}"
@@ -139,14 +140,14 @@ def test_a_thousand_sessions_abandoned_in_every_way_leave_nothing_behind(churn_s
         clients.shutdown()
 
 
-def _report(churn: Fuzzer, elapsed: float, generations: list[int]) -> None:
+def _report(churn: Fuzzer, sessions: int, elapsed: float, generations: list[int]) -> None:
     modes = Counter()
     for key, n in churn.tally.items():
         if not key.startswith(("churn/open", "churn/step")):
             modes[key.split(" -> ")[0].split("/")[1]] += n
     opened = sum(n for key, n in churn.tally.items() if key == "churn/open -> ok:session_opened")
     full = sum(n for key, n in churn.tally.items() if key == "churn/open -> error:server_full")
-    print(f"\nchurn: {SESSIONS} sessions ({opened} opened, {full} refused server_full, the rest abandoned before the "
+    print(f"\nchurn: {sessions} sessions ({opened} opened, {full} refused server_full, the rest abandoned before the "
           f"answer), {churn.frames} frames, {churn.streams} streams ({churn.resets} reset before an answer) in "
           f"{elapsed:.1f}s; honest generations meanwhile {generations}; endings {dict(modes)}")
     for key, n in sorted(churn.tally.items()):

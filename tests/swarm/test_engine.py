@@ -17,9 +17,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import SERVER_ARGS, NamedSwarm, _peer_id_from_log, start_named_servers, wait_until
+from conftest import SERVER_ARGS, NamedSwarm, TestSwarm, start_named_servers, wait_until
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.event_loop import run_sync
 from corolla.client.server_info import request_info
 from corolla.protocol.errors import AllocationFailed, RemoteError
@@ -40,7 +39,7 @@ SERVERS: dict[str, tuple[str, list[str]]] = {
 
 @pytest.fixture(scope="module")
 def swarm(tiny_llama_path, tmp_path_factory) -> Iterator[NamedSwarm]:
-    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
+    with TestSwarm(env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
         yield start_named_servers(
             local, tiny_llama_path, {name: [*args, "--dht-prefix", prefix] for name, (prefix, args) in SERVERS.items()},
             ready_timeout=120,
@@ -66,7 +65,7 @@ def client(swarm: NamedSwarm, prefix: str, **config) -> Iterator:
 
 def server_info(model, peer_id: str) -> InfoReply:
     """The server's live view (sessions, free cache), straight from it rather than from its DHT record."""
-    return run_sync(request_info(model._node.p2p, peer_id))
+    return run_sync(request_info(model.swarm_node.p2p, peer_id))
 
 
 def cache_is_free(model, peer_id: str) -> bool:
@@ -173,9 +172,9 @@ def test_full_server_refuses_a_second_session_clearly_and_serves_it_once_freed(s
 
 def test_network_probe_measures_bandwidth_to_a_server(swarm):
     with client(swarm, SERVERS["engine"][0]) as model:
-        bandwidth = run_sync(measure_peer(model._node.p2p, swarm.peer_ids["engine"], payload_bytes=1 << 20))
+        bandwidth = run_sync(measure_peer(model.swarm_node.p2p, swarm.peer_ids["engine"], payload_bytes=1 << 20))
         with pytest.raises(ValueError):
-            run_sync(measure_peer(model._node.p2p, swarm.peer_ids["engine"], payload_bytes=0))
+            run_sync(measure_peer(model.swarm_node.p2p, swarm.peer_ids["engine"], payload_bytes=0))
         assert server_info(model, swarm.peer_ids["engine"]).active_sessions == 0  # still serving
     assert 10e6 < bandwidth < 1e12, bandwidth  # bytes/s over loopback
 
@@ -184,8 +183,7 @@ def test_server_given_only_num_blocks_takes_the_blocks_nobody_serves(swarm, refe
     prefix = SERVERS["head"][0]
     args = ["--num-blocks", "2", "--dht-prefix", prefix, *SERVER_ARGS]
     proc = swarm.local.start_server(swarm.model_path, args, name="tail", timeout=120)
-    ready = next(line for line in proc.tail(200).splitlines() if "serving blocks" in line)
-    assert "serving blocks 2:4 of" in ready, ready
+    assert proc.blocks == "2:4", proc.tail(200)
     # it measured its network against the one server already in its swarm (loopback: far above 100 Mbit/s)
     network = next(line for line in proc.tail(200).splitlines() if "network: " in line)
     assert float(network.split("network: ")[1].split()[0]) > 100, network
@@ -195,4 +193,4 @@ def test_server_given_only_num_blocks_takes_the_blocks_nobody_serves(swarm, refe
         out = model.generate(prompt, max_new_tokens=NEW_TOKENS, session=session)
         route = [(s.span.peer_id, s.span.start, s.span.end) for s in session._spans]
     assert torch.equal(out, reference.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False))
-    assert route == [(swarm.peer_ids["head"], 0, 2), (_peer_id_from_log(proc.tail(200)), 2, 4)]
+    assert route == [(swarm.peer_ids["head"], 0, 2), (proc.peer_id, 2, 4)]

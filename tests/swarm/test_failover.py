@@ -77,6 +77,7 @@ def test_kill9_mid_generation_with_a_replica_keeps_greedy_output_identical(start
     assert final_peers == [swarm.peer_ids["head"], swarm.peer_ids["replica"]]
 
 
+@pytest.mark.slow  # the failover matrix: the default run kills with one replica (above)
 def test_failed_span_is_taken_over_by_two_smaller_servers(start_swarm, expected):
     swarm = start_swarm(head=("0:2", []), tail=("2:4", PREFERRED), left=("2:3", BACKUP), right=("3:4", BACKUP))
     with client(swarm) as model:
@@ -86,7 +87,8 @@ def test_failed_span_is_taken_over_by_two_smaller_servers(start_swarm, expected)
     assert final_peers == [swarm.peer_ids[name] for name in ("head", "left", "right")]
 
 
-@pytest.mark.parametrize("fault", ["fail", "drop", "stall"])
+@pytest.mark.parametrize("fault", ["fail", pytest.param("drop", marks=pytest.mark.slow),  # test_push: drop
+                                   pytest.param("stall", marks=pytest.mark.slow)])
 def test_server_that_fails_drops_or_stalls_a_step_is_routed_around(start_swarm, expected, fault):
     swarm = start_swarm(head=("0:2", []), faulty=("2:4", [*PREFERRED, "--inject-fault", fault]), replica=("2:4", BACKUP))
     step_timeout = 3.0

@@ -1,7 +1,7 @@
 """Every supported model family through a real swarm, exact against its local HF model.
 
 One swarm per family (a DHT peer and two servers splitting the 4 blocks as 0:2 and 2:4), shared by that
-family's tests. The client pushes steps server to server (the default); greedy generation is also checked with the
+family's tests here and in test_speculative (conftest's SharedSwarms). The client pushes steps server to server (the default); greedy generation is also checked with the
 client relaying every hop (`push=False`). The checkpoints are tiny random ones written here by transformers' own `save_pretrained`.
 """
 
@@ -23,7 +23,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from conftest import start_named_servers
+from conftest import NamedSwarm, start_named_servers
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.cli.local_swarm import LocalSwarm
 
@@ -56,22 +56,27 @@ def write_checkpoint(directory: Path, case: str) -> Path:
     return directory
 
 
+def start_family_swarm(case: str):
+    """A starter for conftest's SharedSwarms: `case`'s checkpoint on two servers (0:2, 2:4), shared with
+    test_speculative."""
+    def start(local: LocalSwarm, directory: Path) -> NamedSwarm:
+        path = str(write_checkpoint(directory / case, case))
+        return start_named_servers(local, path, {f"{case}-{blocks}": ["--blocks", blocks] for blocks in ("0:2", "2:4")})
+    return start
+
+
 @pytest.fixture(scope="module", params=list(CASES))
-def family(request, tmp_path_factory: pytest.TempPathFactory):
+def family(request, shared_swarms):
     """(case name, distributed model, HF reference, initial peers) with a live two-server swarm behind it."""
     case = request.param
-    path = str(write_checkpoint(tmp_path_factory.mktemp("ckpt") / case, case))
-    log_path = tmp_path_factory.mktemp("logs") / f"{case}.log"
-    env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
-        servers = {f"{case}-{blocks}": ["--blocks", blocks] for blocks in ("0:2", "2:4")}
-        peers = start_named_servers(local, path, servers).peers
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=peers, torch_dtype=torch.float32)
-        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        try:
-            yield case, model, reference, peers
-        finally:
-            model.shutdown()
+    swarm = shared_swarms.for_fixture(request, start_family_swarm(case))
+    model = AutoDistributedModelForCausalLM.from_pretrained(swarm.model_path, initial_peers=swarm.peers,
+                                                            torch_dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(swarm.model_path, dtype=torch.float32).eval()
+    try:
+        yield case, model, reference, swarm.peers
+    finally:
+        model.shutdown()
 
 
 def test_swarm_logits_match_local_model(family):

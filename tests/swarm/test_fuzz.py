@@ -15,30 +15,32 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import wait_until
+from conftest import TestSwarm, wait_until
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.protocol.errors import ProtocolError
 from corolla.protocol.framing import MAX_HEADER_BYTES, decode_frame
 from fuzz_cases import CASES, Fuzzer, Target, burst
-from hostile import PUSH_IDLE_OUT, SESSION_TIMEOUT, HonestClients, LoopNode, ServerWatch, log_problems, start_hostile_swarm
+from hostile import (SESSION_TIMEOUT, HonestClients, LoopNode, ServerWatch, idle_fds, log_problems, start_hostile_swarm,
+                     wait_push_streams_gone)
 from raw_frames import RawStream, frame, open_fds, prefixed, tensor_frame
 
 SEED = 17
-CASE_COUNT = 2500  # cases drawn from fuzz_cases.CASES, each one to several frames
+CASE_COUNT = 2500  # cases drawn from fuzz_cases.CASES, each one to several frames (`slow`; the default run: 100)
 BURSTS = 4  # of 20-60 streams opened at once each
 CONCURRENCY = 32  # cases under way at once
 
 
 @pytest.fixture(scope="module")
 def hostile(tiny_llama_path, tmp_path_factory):
-    """Servers a (blocks 0:2) and b (2:4) with short timeouts, their log file, and a P2P node of the test's own."""
+    """Servers a (blocks 0:2) and b (2:4) with short timeouts, their log file, a P2P node of the test's own, and
+    the servers' file descriptors at rest (hostile.idle_fds)."""
     log_path = tmp_path_factory.mktemp("logs") / "hostile.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("c"))}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("c"))}) as local:
         swarm = start_hostile_swarm(local, tiny_llama_path)
+        at_rest = idle_fds(swarm)
         node = LoopNode(swarm.peers)
         try:
-            yield swarm, node, log_path
+            yield swarm, node, log_path, at_rest
         finally:
             node.close()
 
@@ -47,19 +49,19 @@ def targets(swarm) -> list[Target]:
     return [Target("a", swarm.peer_ids["a"], 0, 2), Target("b", swarm.peer_ids["b"], 2, 4)]
 
 
-def test_servers_survive_thousands_of_hostile_frames_while_honest_clients_generate(hostile):
-    swarm, node, log_path = hostile
+@pytest.mark.parametrize("case_count", [100, pytest.param(CASE_COUNT, marks=pytest.mark.slow)])
+def test_servers_survive_thousands_of_hostile_frames_while_honest_clients_generate(hostile, case_count):
+    swarm, node, log_path, at_rest = hostile
     clients = HonestClients(swarm.model_path, swarm.peers)
     try:
+        watch = ServerWatch(swarm, node, at_rest)
         clients.check_once()
-        time.sleep(1.0)
-        watch = ServerWatch(swarm, node)
         fuzzer = Fuzzer(node.p2p, targets(swarm))
         clients.start()
         begin = time.monotonic()
 
         async def storm() -> None:
-            await asyncio.gather(fuzzer.run(CASES, CASE_COUNT, SEED, CONCURRENCY),
+            await asyncio.gather(fuzzer.run(CASES, case_count, SEED, CONCURRENCY),
                                  fuzzer.run([burst], BURSTS, SEED + 1, BURSTS))
 
         node.run(storm(), timeout=900)
@@ -68,7 +70,7 @@ def test_servers_survive_thousands_of_hostile_frames_while_honest_clients_genera
         during = list(clients.generations)
         clients.check_once()  # after the storm, too
         problems = watch.wait_settled(timeout=3 * SESSION_TIMEOUT + 30)
-        _report(fuzzer, elapsed, during)
+        _report(fuzzer, case_count, elapsed, during)
 
         for name, proc in swarm.procs.items():
             assert proc.alive(), f"server {name} died:\n{proc.tail()}"
@@ -82,11 +84,11 @@ def test_servers_survive_thousands_of_hostile_frames_while_honest_clients_genera
         clients.shutdown()
 
 
-def _report(fuzzer: Fuzzer, elapsed: float, generations: list[int]) -> None:
+def _report(fuzzer: Fuzzer, case_count: int, elapsed: float, generations: list[int]) -> None:
     outcomes = Counter()
     for key, n in fuzzer.tally.items():
         outcomes[key.split(" -> ")[1]] += n
-    print(f"\nfuzz: {CASE_COUNT} cases + {BURSTS} bursts, {fuzzer.streams} streams ({fuzzer.resets} reset before an "
+    print(f"\nfuzz: {case_count} cases + {BURSTS} bursts, {fuzzer.streams} streams ({fuzzer.resets} reset before an "
           f"answer), {fuzzer.frames} frames written in {elapsed:.1f}s; honest generations meanwhile {generations}; "
           f"answers {dict(outcomes)}")
     for key, n in sorted(fuzzer.tally.items()):
@@ -115,7 +117,7 @@ FORWARD = {"kind": "forward", "protocol_version": PROTOCOL_VERSION, "blocks": {"
 def test_shapes_with_bool_or_huge_dimensions_are_bad_requests_not_internal_errors(hostile, shape):
     """torch overflowed computing strides of [0, 2^62, 2^62] (an empty tensor) and refused bools as sizes: both
     reached the client as `internal` errors."""
-    swarm, node, _ = hostile
+    swarm, node, _, at_rest = hostile
     outcome, msg = answer(node, swarm.peer_ids["a"], "forward",
                           frame({"v": PROTOCOL_VERSION, "msg": FORWARD, "tensors": [["hidden", "float32", shape]]}))
     assert outcome == "error:bad_request" and "bad shape" in msg["message"], msg
@@ -124,7 +126,7 @@ def test_shapes_with_bool_or_huge_dimensions_are_bad_requests_not_internal_error
 def test_a_frame_header_over_64_kib_is_refused_before_it_is_parsed(hostile):
     """msgpack turns one byte of header into up to ~70 bytes of Python objects (an array of empty arrays): a 1 GiB
     forward frame's header could take 70 GiB of the server's memory."""
-    swarm, node, _ = hostile
+    swarm, node, _, at_rest = hostile
     count = 4 << 20
     header = b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count  # an array of 4M empty arrays: 4 MiB, ~300 MB parsed
     outcome, msg = answer(node, swarm.peer_ids["a"], "forward", prefixed(len(header).to_bytes(4, "big") + header))
@@ -136,7 +138,7 @@ def test_a_frame_header_over_64_kib_is_refused_before_it_is_parsed(hostile):
 
 def test_a_stream_that_never_says_anything_is_answered_within_the_session_timeout(hostile):
     """A silent new stream used to hold its task and socket for 30 s whatever the server's session timeout."""
-    swarm, node, _ = hostile
+    swarm, node, _, at_rest = hostile
     assert SESSION_TIMEOUT + 15 < 30
     outcome, _ = answer(node, swarm.peer_ids["b"], "inference", b"", wait=SESSION_TIMEOUT + 15)
     assert outcome == "error:timeout"
@@ -145,7 +147,7 @@ def test_a_stream_that_never_says_anything_is_answered_within_the_session_timeou
 def test_a_session_refuses_a_frame_longer_than_any_of_its_steps_unread(hostile):
     """A session's frames are bounded by its batch x max_length, not by the 1 GiB frame limit: what its stream can
     make the server hold follows its cache reservation."""
-    swarm, node, _ = hostile
+    swarm, node, _, at_rest = hostile
 
     async def go():
         stream = await RawStream.open(node.p2p, swarm.peer_ids["a"], "inference")
@@ -164,7 +166,7 @@ def test_a_session_refuses_a_frame_longer_than_any_of_its_steps_unread(hostile):
 
 def test_a_forward_over_more_tokens_than_the_session_limit_is_refused_before_computing(hostile):
     """A 60,000-token forward (15 MB) held the compute thread for minutes and grew the server to 7 GB."""
-    swarm, node, _ = hostile
+    swarm, node, _, at_rest = hostile
     outcome, msg = answer(node, swarm.peer_ids["a"], "forward", tensor_frame(FORWARD, {"hidden": torch.zeros(1, 1025, 64)}))
     assert outcome == "error:bad_request" and "limit of 1024 tokens" in msg["message"], msg
 
@@ -172,9 +174,9 @@ def test_a_forward_over_more_tokens_than_the_session_limit_is_refused_before_com
 def test_a_client_that_never_reads_a_probe_reply_has_its_stream_aborted(hostile):
     """64 MiB asked for and never read: the server's write never finished, and closing would have waited to send
     it, so the stream, its task and the 64 MiB stayed as long as the client kept the stream open."""
-    swarm, node, _ = hostile
+    swarm, node, _, at_rest = hostile
     proc = swarm.procs["b"]
-    time.sleep(PUSH_IDLE_OUT)  # the earlier tests' push stream into b is gone (see hostile's module doc)
+    wait_push_streams_gone(swarm, at_rest)  # the earlier tests' push stream into b is gone (see hostile's module doc)
     baseline = open_fds(proc.pid)
 
     async def ask() -> RawStream:
@@ -195,8 +197,8 @@ def test_a_client_that_never_reads_a_probe_reply_has_its_stream_aborted(hostile)
 def test_a_session_whose_client_never_reads_is_closed_and_its_cache_freed(hostile):
     """A client that sends steps but never reads their results: the server's write blocked forever, and with it the
     session, its cache reservation, and its idle timeout (which only runs while the server waits to read)."""
-    swarm, node, _ = hostile
-    watch = ServerWatch(swarm, node)
+    swarm, node, _, at_rest = hostile
+    watch = ServerWatch(swarm, node, at_rest)
 
     async def flood() -> RawStream:
         stream = await RawStream.open(node.p2p, swarm.peer_ids["a"], "inference")
@@ -223,7 +225,7 @@ def test_a_session_whose_client_never_reads_is_closed_and_its_cache_freed(hostil
 def test_a_single_token_step_padded_in_every_row_passes_through(hostile):
     """Rows of different lengths whose one new slot is padding in every row: the ragged path was planned with no
     row to run and failed with an internal IndexError. Padded slots come out as they went in."""
-    swarm, node, _ = hostile
+    swarm, node, _, at_rest = hostile
     hidden = torch.randn(2, 1, 64)
 
     async def go():

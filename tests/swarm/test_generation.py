@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import re
 import sys
-
 from pathlib import Path
 
 import pexpect
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 import corolla
-from conftest import make_llama_checkpoint, start_named_servers, wait_until
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.connection import Connection
 from corolla.client.event_loop import run_sync
 from corolla.client.server_info import request_info
@@ -29,41 +25,23 @@ from corolla.protocol.messages import BlockRange, InferenceStep, OpenSession, Se
 PROMPT = torch.tensor([[1, 17, 42, 99, 5, 8, 13]])
 
 
-def save_word_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over the tiny vocabulary: token i is the word "w{i}"."""
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)} | {"[UNK]": 0}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    tokenizer.save_pretrained(path)
-    return tokenizer
-
-
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory):
-    """A DHT peer and two servers (blocks 0:2 and 2:4) of a tiny Llama with a word-level tokenizer."""
-    # a larger init than HF's keeps greedy output varied on random weights
-    path = str(make_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", initializer_range=0.2))
-    tokenizer = save_word_tokenizer(path)
-    log_path = tmp_path_factory.mktemp("logs") / "generation.log"
-    env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
-        swarm = start_named_servers(local, path, {f"gen-{blocks}": ["--blocks", blocks] for blocks in ("0:2", "2:4")})
-        peers, peer_ids = swarm.peers, list(swarm.peer_ids.values())
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=peers, torch_dtype=torch.float32)
-        try:
-            yield dict(path=path, peers=peers, local=local, peer_ids=peer_ids, model=model, tokenizer=tokenizer,
-                       reference=LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
-        finally:
-            model.shutdown()
+def swarm(varied_llama_swarm):
+    """Two servers (blocks 0:2 and 2:4) of a tiny Llama with a word-level tokenizer (conftest's varied_llama_swarm,
+    shared with test_hf_surface), a float32 client, the local HF model."""
+    path, peers = varied_llama_swarm.model_path, varied_llama_swarm.peers
+    model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=peers, torch_dtype=torch.float32)
+    try:
+        yield dict(path=path, peers=peers, peer_ids=varied_llama_swarm.server_peer_ids, model=model,
+                   tokenizer=AutoTokenizer.from_pretrained(path),
+                   reference=LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    finally:
+        model.shutdown()
 
 
 @pytest.fixture
 def model(swarm):
-    yield swarm["model"]
-    infos = lambda: [run_sync(request_info(swarm["model"]._node.p2p, p)).info for p in swarm["peer_ids"]]  # noqa: E731
-    assert wait_until(lambda: all(i.cache_tokens_free == i.cache_tokens_total for i in infos()), timeout=10), \
-        "a session's cache was not released"
-    assert all(proc.alive() for proc in swarm["local"].processes)
+    return swarm["model"]
 
 
 @pytest.fixture
@@ -180,7 +158,7 @@ def test_bad_hypo_ids_get_a_clear_error_and_the_server_keeps_serving(swarm, mode
     peer = swarm["peer_ids"][0]
 
     async def bad_step():
-        connection = await Connection.open(model._node.p2p, peer, "inference", 10)
+        connection = await Connection.open(model.swarm_node.p2p, peer, "inference", 10)
         try:
             await connection.send(OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=0, end=2),
                                               max_length=8, batch_size=2))
@@ -203,7 +181,7 @@ def test_chat_answers_two_turns_in_one_session(swarm, model, reference):
     """`corolla chat` in a pseudo-terminal: both turns answered as HF would, in one session on each server."""
     args = ["-m", "corolla.cli.main", "chat", swarm["path"], "--initial-peers", *swarm["peers"],
             "--max-new-tokens", "4", "--max-length", "64"]
-    sessions = lambda: [run_sync(request_info(model._node.p2p, p)).active_sessions for p in swarm["peer_ids"]]  # noqa: E731
+    sessions = lambda: [run_sync(request_info(model.swarm_node.p2p, p)).active_sessions for p in swarm["peer_ids"]]  # noqa: E731
     child = pexpect.spawn(sys.executable, args, encoding="utf-8", timeout=120)
     answers, open_sessions = [], []
     try:

@@ -21,7 +21,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import SERVER_ARGS, _peer_id_from_log
+from conftest import SERVER_ARGS, TestSwarm
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.cli.local_swarm import LocalSwarm
 
@@ -114,7 +114,7 @@ class GenericSwarms:
         for proc in procs.values():
             self.local.wait_ready(proc, 600)
         self.procs = procs
-        self.peer_ids = {name: _peer_id_from_log(proc.tail(200)) for name, proc in procs.items()}
+        self.peer_ids = {name: proc.peer_id for name, proc in procs.items()}
 
     def client(self, model_type: str, prefix: str | None = None, **config: object) -> AutoDistributedModelForCausalLM:
         key = (model_type, prefix, *sorted(config.items()))
@@ -142,7 +142,7 @@ def swarms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GenericSwarms]:
     adapter = root / "lora"
     save_random_lora(Path(paths[LORA_TYPE]), adapter)
     log_path = tmp_path_factory.mktemp("logs") / "generic-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
         swarms = GenericSwarms(local, paths, str(adapter))
         swarms.start()
         try:

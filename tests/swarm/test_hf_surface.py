@@ -15,26 +15,22 @@ from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 from transformers.generation.logits_process import LogitsProcessor, RepetitionPenaltyLogitsProcessor
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria
 
-from conftest import make_llama_checkpoint, start_named_servers
 from corolla import AutoDistributedModelForCausalLM, AutoDistributedModelForSequenceClassification
-from corolla.cli.local_swarm import LocalSwarm
 
 IDS = torch.tensor([[1, 17, 42, 99, 5, 8, 13], [1, 3, 77, 64, 20, 31, 9]])
 
 
 @pytest.fixture(scope="module")
-def surface(tmp_path_factory: pytest.TempPathFactory):
-    """Two servers (blocks 0:2, 2:4) of a tiny Llama whose greedy output varies, a float32 client, HF's model."""
-    path = str(make_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", initializer_range=0.2))
-    env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    with open(tmp_path_factory.mktemp("logs") / "surface.log", "w") as log, LocalSwarm(log_file=log, env=env) as local:
-        swarm = start_named_servers(local, path, {f"surface-{b}": ["--blocks", b] for b in ("0:2", "2:4")})
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.peers, dtype=torch.float32)
-        try:
-            yield dict(path=path, peers=swarm.peers, model=model,
-                       reference=LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
-        finally:
-            model.shutdown()
+def surface(varied_llama_swarm):
+    """Two servers (blocks 0:2, 2:4) of a tiny Llama whose greedy output varies (conftest's varied_llama_swarm,
+    shared with test_generation), a float32 client, HF's model."""
+    path, peers = varied_llama_swarm.model_path, varied_llama_swarm.peers
+    model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=peers, dtype=torch.float32)
+    try:
+        yield dict(path=path, peers=peers, model=model,
+                   reference=LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    finally:
+        model.shutdown()
 
 
 def test_embeddings_config_device_dtype_and_generation_config_are_hfs(surface):

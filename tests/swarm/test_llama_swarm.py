@@ -1,4 +1,5 @@
-"""End to end over a real swarm (DHT + two server processes): exactness against the local HF model."""
+"""End to end over a real swarm (DHT + two server processes): exactness against the local HF model. After each test
+every server's cache is free again (conftest's shared_swarms_are_left_clean)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import wait_until
 from corolla import AutoDistributedModelForCausalLM
-from corolla.client.event_loop import run_sync
-from corolla.client.server_info import request_info
 
 
 @pytest.fixture(scope="module")
@@ -22,17 +20,6 @@ def model(llama_swarm):
 @pytest.fixture(scope="module")
 def reference(llama_swarm):
     return LlamaForCausalLM.from_pretrained(llama_swarm.model_path, dtype=torch.float32).eval()
-
-
-def all_caches_free(model, peer_ids) -> bool:
-    infos = [run_sync(request_info(model._node.p2p, peer)).info for peer in peer_ids]
-    return all(i.cache_tokens_free == i.cache_tokens_total for i in infos)
-
-
-@pytest.fixture(autouse=True)
-def caches_are_released_after_each_test(model, llama_swarm):
-    yield
-    assert wait_until(lambda: all_caches_free(model, llama_swarm.server_peer_ids), timeout=10), "a session's cache was not released"
 
 
 def test_swarm_logits_match_local_model(model, reference):

@@ -10,11 +10,36 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from conftest import TestSwarm, start_named_servers
 from corolla.client.event_loop import run_sync
 from corolla.testing.push_attacks import push_directly, push_through_upstream
 from test_failover import BACKUP, PREFERRED, PROMPT, ActAfter, client  # noqa: F401 (fixture)
 
 THREE = {"first": "0:1", "middle": "1:3", "last": "3:4"}
+
+
+@pytest.fixture(scope="module")
+def three_servers(tiny_llama_path, tmp_path_factory):
+    """The bare three-server route (THREE, no extra flags), one swarm for the module (see start_swarm below)."""
+    with TestSwarm(env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
+        yield start_named_servers(local, tiny_llama_path, {name: ["--blocks", blocks] for name, blocks in THREE.items()})
+
+
+@pytest.fixture
+def start_swarm(start_swarm, request):
+    """conftest's start_swarm, except that the bare three-server route, which the tests given it leave as they found
+    it (nothing killed, no fault flag), is the module's one `three_servers`, checked clean after each such test."""
+    shared = []
+
+    def start(**servers):
+        if servers == {name: (blocks, []) for name, blocks in THREE.items()}:
+            shared.append(request.getfixturevalue("three_servers"))
+            return shared[-1]
+        return start_swarm(**servers)
+
+    yield start
+    for swarm in shared:
+        swarm.assert_clean()
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +67,8 @@ def test_three_servers_give_hf_greedy_output_in_push_and_relay_mode(start_swarm,
     assert exchanges == (steps if push else len(THREE) * steps)  # one request per step, or one per server
 
 
-@pytest.mark.parametrize("position", ["first", "middle", "last"])
+@pytest.mark.parametrize("position", [pytest.param("first", marks=pytest.mark.slow), "middle",
+                                      pytest.param("last", marks=pytest.mark.slow)])  # the failover matrix: `slow`
 def test_a_server_killed_at_each_position_of_a_push_route_keeps_greedy_output_identical(start_swarm, expected, position):
     servers = {name: (blocks, PREFERRED if name == position else []) for name, blocks in THREE.items()}
     servers["replica"] = (THREE[position], BACKUP)
@@ -55,7 +81,7 @@ def test_a_server_killed_at_each_position_of_a_push_route_keeps_greedy_output_id
     assert pushed >= steps - 2  # every step went by push but the one that met the dead server
 
 
-@pytest.mark.parametrize("fault", ["fail", "drop"])
+@pytest.mark.parametrize("fault", [pytest.param("fail", marks=pytest.mark.slow), "drop"])  # test_failover: fail
 def test_a_middle_server_that_fails_or_drops_a_pushed_step_is_routed_around(start_swarm, expected, fault):
     servers = {name: (blocks, [*PREFERRED, "--inject-fault", fault] if name == "middle" else []) for name, blocks in THREE.items()}
     servers["replica"] = (THREE["middle"], BACKUP)

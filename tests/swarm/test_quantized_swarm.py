@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from conftest import start_named_servers
+from conftest import TestSwarm, run_corolla, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.config import ClientConfig
 from corolla.protocol.errors import MissingBlocks
 
@@ -29,7 +26,7 @@ NF4_LOGITS_COS, NF4_LOGITS_MAX = 3e-2, 0.3
 @pytest.fixture(scope="module")
 def quant_swarm(tiny_llama_path: str, tmp_path_factory: pytest.TempPathFactory):
     log_path = tmp_path_factory.mktemp("logs") / "quant-swarm.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
         yield start_named_servers(local, tiny_llama_path, {
             "nf4": ["--blocks", "0:4", "--quant", "nf4"],
             "plain": ["--blocks", "0:4"],
@@ -54,11 +51,7 @@ def swarm_logits(swarm, ids: torch.Tensor, **config: object) -> torch.Tensor:
 
 
 def test_status_shows_each_servers_quantization_and_measured_block_bytes(quant_swarm, reference):
-    result = subprocess.run(
-        [sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", *quant_swarm.peers,
-         "--model", quant_swarm.model_path, "--json"],
-        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-    )
+    result = run_corolla("status", "--initial-peers", *quant_swarm.peers, "--model", quant_swarm.model_path, "--json")
     assert result.returncode == 0, result.stderr
     by_peer = {s["peer_id"]: s for s in json.loads(result.stdout)["servers"]}
     nf4, plain = by_peer[quant_swarm.peer_ids["nf4"]], by_peer[quant_swarm.peer_ids["plain"]]

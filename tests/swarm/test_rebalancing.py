@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import signal
-import time
 
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import SERVER_ARGS, wait_until
+from conftest import SERVER_ARGS, TestSwarm, wait_until
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalProcess, LocalSwarm
+from corolla.cli.local_swarm import LocalProcess
 
 PROMPT = torch.tensor([[1, 11, 22, 33, 44]])
 SPEED = ["--throughput", "10"]  # equal announced speeds make every choice below exact
 
 
 def served_ranges(proc: LocalProcess) -> list[str]:
-    """The A:B of every 'serving blocks A:B' line the server logged, in order."""
-    return [line.split("serving blocks ")[1].split()[0] for line in proc.log if "serving blocks " in line]
+    """The A:B of every ready record the server printed (one each time it went ONLINE), in order."""
+    return proc.served_ranges()
 
 
 def test_rebalance_moves_server_to_blocks_left_uncovered(tiny_llama_path, tmp_path):
-    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
+    with TestSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
         peers = local.start_dht()
         head = local.start_server(tiny_llama_path, ["--blocks", "0:2", *SERVER_ARGS, *SPEED], name="head", wait=False)
         tail = local.start_server(tiny_llama_path, ["--blocks", "2:4", *SERVER_ARGS, *SPEED], name="tail", wait=False)
@@ -30,10 +29,12 @@ def test_rebalance_moves_server_to_blocks_left_uncovered(tiny_llama_path, tmp_pa
         local.wait_ready(tail)
         # every block has throughput 10: the mover takes the earliest window, and a tie never makes it move
         mover = local.start_server(
-            tiny_llama_path, ["--num-blocks", "2", "--balance-period", "1", *SERVER_ARGS, *SPEED], name="mover"
+            tiny_llama_path, ["--num-blocks", "2", "--balance-period", "1", *SERVER_ARGS, *SPEED], name="mover",
+            verbose=True,  # DEBUG: it logs each rebalancing check
         )
         assert served_ranges(mover) == ["0:2"]
-        time.sleep(2.5)  # at least two rebalancing checks
+        checks = lambda: sum("rebalance.check" in line for line in list(mover.log))  # noqa: E731
+        assert wait_until(lambda: checks() >= 2, timeout=30), mover.tail(60)  # two checks that found no reason to move
         assert served_ranges(mover) == ["0:2"] and "rebalancing" not in mover.tail(400)
 
         reference = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()

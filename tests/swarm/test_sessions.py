@@ -14,38 +14,28 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import start_named_servers, wait_until
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.demo_cmd import demo_model_path
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.event_loop import run_sync
 from corolla.client.inference_session import InferenceSession
-from corolla.client.server_info import request_info
 
 PENALTY = 1.2  # the seed's repetition_penalty: it reads the whole context, so a wrong context shows
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory):
+def demo(demo_swarm):
     """The demo model's 6 blocks on two servers (0:3, 3:6), a float32 client, the local HF model and tokenizer."""
-    path = str(demo_model_path())
-    env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    with open(tmp_path_factory.mktemp("logs") / "sessions.log", "w") as log, LocalSwarm(log_file=log, env=env) as local:
-        swarm = start_named_servers(local, path, {f"demo-{b}": ["--blocks", b, "--dtype", "float32"] for b in ("0:3", "3:6")})
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.peers, dtype=torch.float32)
-        try:
-            yield dict(model=model, tokenizer=AutoTokenizer.from_pretrained(path), peer_ids=list(swarm.peer_ids.values()),
-                       reference=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
-        finally:
-            model.shutdown()
+    swarm = demo_swarm
+    model = AutoDistributedModelForCausalLM.from_pretrained(swarm.model_path, initial_peers=swarm.peers, dtype=torch.float32)
+    try:
+        yield dict(model=model, tokenizer=AutoTokenizer.from_pretrained(swarm.model_path),
+                   reference=AutoModelForCausalLM.from_pretrained(swarm.model_path, dtype=torch.float32).eval())
+    finally:
+        model.shutdown()
 
 
 @pytest.fixture
 def model(demo):
-    yield demo["model"]
-    infos = lambda: [run_sync(request_info(demo["model"]._node.p2p, p)).info for p in demo["peer_ids"]]  # noqa: E731
-    assert wait_until(lambda: all(i.cache_tokens_free == i.cache_tokens_total for i in infos()), timeout=10), \
-        "a session's cache was not released"
+    return demo["model"]
 
 
 @pytest.fixture

@@ -1,57 +1,46 @@
 """Speculative decoding through a real swarm: several tokens per round trip, the same tokens as plain decoding.
 
-The demo model's 6 blocks on two float32 servers, with the shipped draft (corolla/demo_draft) and prompt lookup as
-drafters; plain greedy through the same swarm and HF's `generate` on the local model are the oracles. Then the
-other families (tiny random checkpoints, as in test_families), each with the local HF model itself as the assistant
+The demo model's 6 blocks on two float32 servers (shared with test_sessions), with the shipped draft
+(corolla/demo_draft) and prompt lookup as drafters; plain greedy through the same swarm and HF's `generate` on the local model are the oracles. Then the
+other families (test_families' swarms, shared), each with the local HF model itself as the assistant
 (every draft kept: the longest steps) and with prompt lookup (mostly rejected: the most rollbacks).
 """
 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import start_named_servers, wait_until
+from conftest import TestSwarm, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.demo_cmd import demo_draft_path, demo_model_path
-from corolla.cli.local_swarm import LocalSwarm
-from corolla.client.event_loop import run_sync
-from corolla.client.server_info import request_info
-from test_families import VOCAB, write_checkpoint
+from corolla.cli.demo_cmd import demo_draft_path
+from corolla.cli.main import build_parser
+from test_families import VOCAB, start_family_swarm
 
 TEXT = ("The file system keeps a list of the blocks of each file. The file system keeps a list of the free blocks. "
         "When a file grows, the file system")
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory):
+def demo(demo_swarm):
     """The demo model on two servers (0:3, 3:6), a float32 client, the shipped draft, the local HF model."""
-    path = str(demo_model_path())
-    env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    with open(tmp_path_factory.mktemp("logs") / "speculative.log", "w") as log, LocalSwarm(log_file=log, env=env) as local:
-        swarm = start_named_servers(local, path, {f"spec-{b}": ["--blocks", b, "--dtype", "float32"] for b in ("0:3", "3:6")})
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.peers, dtype=torch.float32)
-        try:
-            yield dict(model=model, tokenizer=AutoTokenizer.from_pretrained(path), peer_ids=list(swarm.peer_ids.values()),
-                       path=path, peers=swarm.peers,
-                       local=local, reference=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
-                       draft=AutoModelForCausalLM.from_pretrained(str(demo_draft_path()), dtype=torch.float32).eval())
-        finally:
-            model.shutdown()
+    swarm = demo_swarm
+    path = swarm.model_path
+    model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.peers, dtype=torch.float32)
+    try:
+        yield dict(model=model, tokenizer=AutoTokenizer.from_pretrained(path), path=path, peers=swarm.peers,
+                   reference=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+                   draft=AutoModelForCausalLM.from_pretrained(str(demo_draft_path()), dtype=torch.float32).eval())
+    finally:
+        model.shutdown()
 
 
 @pytest.fixture
 def model(demo):
-    yield demo["model"]
-    infos = lambda: [run_sync(request_info(demo["model"]._node.p2p, p)).info for p in demo["peer_ids"]]  # noqa: E731
-    assert wait_until(lambda: all(i.cache_tokens_free == i.cache_tokens_total for i in infos()), timeout=10), \
-        "a session's cache was not released"
-    assert all(proc.alive() for proc in demo["local"].processes)
+    return demo["model"]
 
 
 def ids_of(demo, text: str) -> torch.Tensor:
@@ -198,13 +187,14 @@ def test_prompt_lookup_after_inputs_embeds_equals_plain(demo, model):
         model.generate(inputs_embeds=embeds, max_new_tokens=4, assistant_model=demo["draft"])
 
 
-def test_corolla_generate_prints_the_same_text_with_the_demo_draft_and_with_prompt_lookup(demo, model):
+def test_corolla_generate_prints_the_same_text_with_the_demo_draft_and_with_prompt_lookup(demo, model, capsys):
+    """`corolla generate`'s parser and command, in process (test_cli runs the command as a process)."""
     def generate(*extra: str) -> str:
-        command = [sys.executable, "-m", "corolla.cli.main", "generate", demo["path"], "--initial-peers", *demo["peers"],
-                   "--max-new-tokens", "40", "The server", *extra]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
-        return result.stdout
+        args = build_parser().parse_args(["generate", demo["path"], "--initial-peers", *demo["peers"],
+                                          "--max-new-tokens", "40", "The server", *extra])
+        capsys.readouterr()
+        assert args.func(args) == 0
+        return capsys.readouterr().out
 
     plain = generate()
     assert plain.strip() and generate("--assistant-model", "demo") == plain == generate("--prompt-lookup", "5")
@@ -215,18 +205,16 @@ FAMILIES = ["mistral-window8", "bloom", "falcon-7b-style", "mixtral"]  # llama: 
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory: pytest.TempPathFactory):
-    """(distributed model, local HF model) of a tiny random checkpoint on two servers (0:2, 2:4)."""
-    case = request.param
-    path = str(write_checkpoint(tmp_path_factory.mktemp("ckpt") / case, case))
-    env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    with open(tmp_path_factory.mktemp("logs") / f"spec-{case}.log", "w") as log, LocalSwarm(log_file=log, env=env) as local:
-        peers = start_named_servers(local, path, {f"spec-{case}-{b}": ["--blocks", b] for b in ("0:2", "2:4")}).peers
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=peers, torch_dtype=torch.float32)
-        try:
-            yield model, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        finally:
-            model.shutdown()
+def family(request, shared_swarms):
+    """(distributed model, local HF model) of a tiny random checkpoint on two servers (0:2, 2:4): test_families'
+    swarm of that family (conftest's SharedSwarms)."""
+    swarm = shared_swarms.for_fixture(request, start_family_swarm(request.param))
+    model = AutoDistributedModelForCausalLM.from_pretrained(swarm.model_path, initial_peers=swarm.peers,
+                                                            torch_dtype=torch.float32)
+    try:
+        yield model, AutoModelForCausalLM.from_pretrained(swarm.model_path, dtype=torch.float32).eval()
+    finally:
+        model.shutdown()
 
 
 def test_every_family_decodes_speculatively_exactly_as_hf_greedy(family):
@@ -258,7 +246,7 @@ class KillAfter(Recorder):
             self.action()
 
 
-@pytest.mark.parametrize("drafter", ["itself", "lookup"])
+@pytest.mark.parametrize("drafter", ["itself", pytest.param("lookup", marks=pytest.mark.slow)])  # failover matrix
 def test_killing_a_server_mid_speculation_with_a_replica_keeps_the_greedy_output(tiny_llama_path, tmp_path, drafter):
     """kill -9 of the tail server right after the 10th token: the session replays the inputs the rolled-back
     positions left (not the rejected drafts) into the replica, and the output is plain greedy's."""
@@ -269,7 +257,7 @@ def test_killing_a_server_mid_speculation_with_a_replica_keeps_the_greedy_output
               if drafter == "itself" else dict(prompt_lookup_num_tokens=4))
     servers = {"head": ["--blocks", "0:2"], "tail": ["--blocks", "2:4", "--throughput", "1000"],
                "replica": ["--blocks", "2:4", "--throughput", "10"]}
-    with LocalSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
+    with TestSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
         swarm = start_named_servers(local, tiny_llama_path, servers)
         model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama_path, initial_peers=swarm.peers)
         try:

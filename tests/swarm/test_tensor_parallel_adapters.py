@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_llama_checkpoint, start_named_servers
+from conftest import TestSwarm, make_llama_checkpoint, start_named_servers
 from peft import PeftModel
 from test_adapters import peft_logits, save_random_lora
 from transformers import LlamaForCausalLM
 
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +23,7 @@ def sharded_lora_swarm(tmp_path_factory: pytest.TempPathFactory):
     adapter = str(root / "my-lora")
     save_random_lora(Path(base), Path(adapter))
     log_path = tmp_path_factory.mktemp("logs") / "tensor-parallel-lora.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(root / "cache")}) as local:
         args = ["--blocks", "0:4", "--tensor-parallel-devices", "cpu", "cpu", "--adapters", adapter]
         peers = start_named_servers(local, base, {"tp-lora-server": args}).peers
         peft_model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), adapter).eval()

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_llama_checkpoint, start_named_servers, wait_until
+from conftest import TestSwarm, make_llama_checkpoint, start_named_servers, wait_until
 from transformers import LlamaForCausalLM
 
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.event_loop import run_sync
 from corolla.client.server_info import request_info
 
@@ -23,7 +22,7 @@ def sharded_swarm(tmp_path_factory: pytest.TempPathFactory):
     tiny_llama_path = str(make_llama_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", initializer_range=0.2))
     log_path = tmp_path_factory.mktemp("logs") / "tensor-parallel.log"
     env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env=env) as local:
         args = ["--blocks", "0:4", "--tensor-parallel-devices", "cpu", "cpu"]
         swarm = start_named_servers(local, tiny_llama_path, {"tp-server": args})
         model = AutoDistributedModelForCausalLM.from_pretrained(
@@ -56,7 +55,7 @@ def test_sharded_server_greedy_tokens_equal_hf_generate_and_cache_is_freed(shard
     assert torch.equal(model.generate(ids, max_new_tokens=10, eos_token_id=None), expected)
 
     def cache_free() -> bool:
-        info = run_sync(request_info(model._node.p2p, peer_id)).info
+        info = run_sync(request_info(model.swarm_node.p2p, peer_id)).info
         return info.cache_tokens_free == info.cache_tokens_total
 
     assert wait_until(cache_free, timeout=10), "the session's cache was not released"
@@ -67,13 +66,13 @@ def test_a_quantized_tensor_parallel_server_announces_int8_and_stays_close_to_hf
     tests/unit/test_quantization.py (1 - cosine < 1e-4, max |q - f| / max |f| < 0.05)."""
     log_path = tmp_path_factory.mktemp("logs") / "tensor-parallel-int8.log"
     env = {"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env=env) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env=env) as local:
         args = ["--blocks", "0:4", "--quant", "int8", "--tensor-parallel-devices", "cpu", "cpu"]
         swarm = start_named_servers(local, tiny_llama_path, {"tp-int8-server": args})
         model = AutoDistributedModelForCausalLM.from_pretrained(
             tiny_llama_path, initial_peers=swarm.peers, torch_dtype=torch.float32)
         try:
-            info = run_sync(request_info(model._node.p2p, swarm.peer_ids["tp-int8-server"])).info
+            info = run_sync(request_info(model.swarm_node.p2p, swarm.peer_ids["tp-int8-server"])).info
             ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(2))
             with torch.no_grad():
                 logits = model(ids).logits

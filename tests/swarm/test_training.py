@@ -315,7 +315,7 @@ def test_bad_backward_request_gets_a_clear_error_and_the_server_keeps_serving(mo
     peer = llama_swarm.server_peer_ids[0]  # blocks 0:2
 
     async def bad_request():
-        connection = await Connection.open(model._node.p2p, peer, "backward", 10)
+        connection = await Connection.open(model.swarm_node.p2p, peer, "backward", 10)
         try:
             request = BackwardRequest(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=0, end=2))
             await connection.send(request, {"hidden": torch.randn(2, 5, 64), "grad_output": torch.randn(2, 4, 64)})

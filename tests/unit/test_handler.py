@@ -86,10 +86,11 @@ def serve(stack: BlockStack, scenario, **config) -> object:
     handler = ConnectionHandler(stack, allocator, worker, ServerConfig(model="unused", **config), describe=lambda: None)
 
     async def run():
-        tasks = []
+        tasks, readers = [], []
 
         def talk(verb: str):
             reader, writer = asyncio.StreamReader(), MemoryWriter()
+            readers.append(reader)
             tasks.append(asyncio.ensure_future(_stream_adapter(handler._handlers()[verb], verb, handler.metrics)(PEER, reader, writer)))
 
             async def receive():
@@ -100,6 +101,8 @@ def serve(stack: BlockStack, scenario, **config) -> object:
         try:
             return await scenario(handler, talk)
         finally:
+            for reader in readers:  # the client closes its end: no stream waits out its linger for it
+                reader.feed_eof()
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
 
     try:
@@ -197,6 +200,7 @@ def test_a_v1_request_on_a_v1_handler_name_gets_a_v1_error_naming_both_versions(
     async def scenario():
         reader, writer = asyncio.StreamReader(), MemoryWriter()
         reader.feed_data(len(v1_payload).to_bytes(8, "big") + v1_payload)
+        reader.feed_eof()  # the client's end closed once it has sent its request: no linger waiting for it
         await _legacy_stream(1, "inference", ServerMetrics())(PEER, reader, writer)
         return await writer.next_payload(), writer.closed
 

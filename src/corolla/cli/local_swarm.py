@@ -1,11 +1,14 @@
 """Start and stop a swarm of local processes (a DHT peer and servers) on 127.0.0.1.
 
 Used by `corolla demo`, the benchmarks and the test fixtures. Every process starts in its own process group
-(its p2pd child included), and `close()` ends each group: SIGTERM, then SIGKILL after a grace period.
+(its p2pd child included), and `close()` ends each group: SIGTERM, then SIGKILL after a grace period. A server is
+ready when it prints its JSON ready record on stdout (`corolla serve`: `{"event": "ready", "peer_id": ...,
+"maddrs": [...], "blocks": "A:B"}`, once per time it goes ONLINE); its peer id and blocks are read from that record.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -19,7 +22,7 @@ from typing import IO, Sequence
 
 logger = logging.getLogger(__name__)
 
-READY_LINE = "serving blocks"
+READY_EVENT = "ready"  # the "event" of the JSON line a server prints on stdout each time it goes ONLINE
 
 
 @dataclass
@@ -27,11 +30,36 @@ class LocalProcess:
     name: str
     popen: subprocess.Popen[str]
     log: deque[str] = field(default_factory=lambda: deque(maxlen=400))
-    ready: threading.Event = field(default_factory=threading.Event)
+    ready: threading.Event = field(default_factory=threading.Event)  # set by the first ready record
+    ready_records: list[dict] = field(default_factory=list)  # every ready record the server printed, in order
 
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    @property
+    def peer_id(self) -> str:
+        """The server's peer id, from its ready record; RuntimeError before it is ready."""
+        return str(self._last_ready()["peer_id"])
+
+    @property
+    def maddrs(self) -> list[str]:
+        """The full multiaddrs clients dial the server at (each ending in /p2p/<peer id>), from its ready record."""
+        return list(self._last_ready()["maddrs"])
+
+    @property
+    def blocks(self) -> str:
+        """The blocks the server serves now, "A:B", from its latest ready record."""
+        return str(self._last_ready()["blocks"])
+
+    def served_ranges(self) -> list[str]:
+        """Every "A:B" the server went ONLINE for, in order (more than one after a rebalancing move)."""
+        return [str(record["blocks"]) for record in list(self.ready_records)]
+
+    def _last_ready(self) -> dict:
+        if not self.ready_records:
+            raise RuntimeError(f"{self.name} is not ready yet")
+        return self.ready_records[-1]
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -70,18 +98,29 @@ class LocalSwarm:
             time.sleep(0.05)
         raise RuntimeError(f"DHT peer did not start:\n{proc.tail()}")
 
-    def start_server(self, model: str, args: Sequence[str] = (), name: str | None = None, wait: bool = True, timeout: float = 180.0) -> LocalProcess:
-        """Start `corolla serve MODEL --initial-peers ... ARGS`; with wait, block until it logs 'serving blocks'."""
+    def start_server(self, model: str, args: Sequence[str] = (), name: str | None = None, wait: bool = True,
+                     timeout: float = 180.0, verbose: bool = False) -> LocalProcess:
+        """Start `corolla serve MODEL --initial-peers ... ARGS` (`corolla -v serve`, DEBUG logs, with `verbose`); with
+        wait, block until it is ready (its JSON ready record)."""
         if not self.initial_peers:
             raise RuntimeError("start_dht() first")
-        proc = self._spawn(name or f"server{len(self.processes)}", ["serve", model, "--initial-peers", ",".join(self.initial_peers), *args])
+        argv = ["serve", model, "--initial-peers", ",".join(self.initial_peers), *args]
+        proc = self._spawn(name or f"server{len(self.processes)}", ["-v", *argv] if verbose else argv)
         if wait:
             self.wait_ready(proc, timeout)
         return proc
 
     def wait_ready(self, proc: LocalProcess, timeout: float = 180.0) -> None:
-        if not proc.ready.wait(timeout):
-            raise RuntimeError(f"{proc.name} did not become ready in {timeout:.0f}s:\n{proc.tail()}")
+        """Block until the server's first ready record; RuntimeError after `timeout` seconds or if it exits first."""
+        deadline = time.monotonic() + timeout
+        while not proc.ready.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+            if not proc.alive() and not proc.ready.is_set():
+                proc.ready.wait(1.0)  # its last lines may still be in the pipe
+                if proc.ready.is_set():
+                    return
+                raise RuntimeError(f"{proc.name} exited (code {proc.popen.returncode}) before it was ready:\n{proc.tail()}")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{proc.name} did not become ready in {timeout:.0f}s:\n{proc.tail()}")
 
     def kill(self, proc: LocalProcess, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to the process's whole group (SIGKILL: an abrupt failure, p2pd included)."""
@@ -119,15 +158,18 @@ class LocalSwarm:
         self.close()
 
     def _spawn(self, name: str, argv: list[str]) -> LocalProcess:
-        popen = subprocess.Popen(
+        proc = LocalProcess(name, self._start_process(argv))
+        self.processes.append(proc)
+        threading.Thread(target=self._pump, args=(proc,), name=f"log-{name}", daemon=True).start()
+        return proc
+
+    def _start_process(self, argv: list[str]) -> subprocess.Popen[str]:
+        """`corolla ARGV` in a new session (its own process group), stdout and stderr together as text."""
+        return subprocess.Popen(
             [self.python, "-m", "corolla.cli.main", *argv],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             text=True, env=self.env, start_new_session=True,
         )
-        proc = LocalProcess(name, popen)
-        self.processes.append(proc)
-        threading.Thread(target=self._pump, args=(proc,), name=f"log-{name}", daemon=True).start()
-        return proc
 
     def _pump(self, proc: LocalProcess) -> None:
         assert proc.popen.stdout is not None
@@ -140,5 +182,18 @@ class LocalSwarm:
                     self.log_file.flush()
                 except ValueError:  # log file closed
                     pass
-            if READY_LINE in line:
+            record = _ready_record(line)
+            if record is not None:
+                proc.ready_records.append(record)
                 proc.ready.set()
+
+
+def _ready_record(line: str) -> dict | None:
+    """The ready record a line holds (a JSON object whose "event" is "ready"), else None."""
+    if not line.startswith("{"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and record.get("event") == READY_EVENT else None

@@ -60,10 +60,10 @@ class DistributedModelForCausalLM(nn.Module):
 
     @property
     def swarm_node(self) -> SwarmNode:
-        """This client's P2P and DHT node (its peer id, its DHT), e.g. for tools that talk to the swarm beside the
-        model. RuntimeError after `shutdown`."""
+        """This model's node in the swarm (its DHT peer and P2P host, `.p2p`), e.g. to ask a server for its info;
+        raises RuntimeError after `shutdown()`."""
         if self._node is None:
-            raise RuntimeError("this model was shut down: it has no swarm node any more")
+            raise RuntimeError("this model was shut down: it has no swarm node")
         return self._node
 
     @property

@@ -175,6 +175,12 @@ class ServerConfig:
             nargs="+",
         ),
     )
+    ready_file: str | None = field(
+        default=None,
+        metadata=_opt("once the server is announced ONLINE, write this file atomically (again after each move to other "
+                      "blocks): the JSON record `corolla serve` also prints as one line on stdout, with keys event "
+                      "(\"ready\"), peer_id, maddrs (where clients dial it) and blocks (\"A:B\")"),
+    )
     metrics_port: int = field(
         default=0, metadata=_opt("serve Prometheus metrics at http://HOST:PORT/metrics on this TCP port; 0 = off")
     )

@@ -12,6 +12,7 @@ import logging
 import random
 import signal
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -85,6 +86,8 @@ class Server:
         self.metrics = ServerMetrics()  # exported over HTTP only with --metrics-port
         self.metrics.watch(lambda: len(self.handler.sessions) if self.handler else 0,
                            lambda: self.allocator.budget if self.allocator else None)
+        self.on_online: list[Callable[[Server], None]] = []  # called each time the server goes ONLINE (after its
+        # "serving blocks" line), e.g. by `corolla serve` to report readiness machine-readably
         self._stop = asyncio.Event()
         self._fault_armed = False  # SIGUSR1 came (--inject-fault): every handler of this server is armed
 
@@ -212,6 +215,8 @@ class Server:
             self.start_block, self.end_block, self.config.model, self.node.peer_id, self.prefix,
             self.allocator.budget.total, self.throughput, " ".join(self.maddrs),
         )
+        for callback in self.on_online:
+            callback(self)
 
     async def _leave_blocks(self, announcer: Announcer) -> None:
         """OFFLINE first, so that clients re-routing away from us do not pick us again; then end every session,
