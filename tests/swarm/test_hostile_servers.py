@@ -17,24 +17,11 @@ import signal
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 
 from test_failover import BACKUP, PREFERRED, PROMPT, ActAfter, client  # noqa: F401 (fixture)
+from test_verification import NEW_TOKENS, client_cache, expected  # noqa: F401 (fixtures: HF's tokens, the cache dir)
 
-NEW_TOKENS = 24
 THREE = {"first": "0:1", "middle": "1:3", "last": "3:4"}
-
-
-@pytest.fixture(autouse=True)
-def client_cache(tmp_path, monkeypatch):
-    """The client's reputation file goes to this test's directory."""
-    monkeypatch.setenv("COROLLA_CACHE", str(tmp_path / "client-cache"))
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_llama_path) -> torch.Tensor:
-    reference = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
-    return reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
 
 
 def run(model, streamer=None):

@@ -164,8 +164,6 @@ def block_as_kind(block: nn.Module, dtype: torch.dtype, mode: str, device: torch
     """A copy of a float32 `block` as a server of compute dtype `dtype` and quantization `mode` holds it: cast, then
     quantized on its way to `device`, exactly as `corolla serve` loads it (server.block_loading). `block` is left
     as it was. Quantizing is deterministic, so the copy computes what such a server computes (up to kernels)."""
-    import copy
-
     return quantize_block(copy.deepcopy(block).to(dtype), mode, device, dtype).eval().requires_grad_(False)
 
 

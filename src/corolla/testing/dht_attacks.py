@@ -31,7 +31,6 @@ from typing import AsyncIterator, Sequence
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
-from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
