@@ -17,7 +17,7 @@ from corolla.protocol.signing import PeerKey
 from corolla.server.cache_allocator import CacheAllocator
 from corolla.server.compute import ComputeWorker
 from corolla.server.config import ServerConfig
-from corolla.server.handler import UNAUTHORIZED_PUSH_FRAME, ConnectionHandler, _stream_adapter
+from corolla.server.handler import MAX_REFUSED_PUSHES, UNAUTHORIZED_PUSH_FRAME, ConnectionHandler, _stream_adapter
 from corolla.server.push import outgoing_push
 from test_handler import HIDDEN, MemoryWriter, framed, stack  # noqa: F401 (fixture)
 
@@ -90,22 +90,43 @@ def test_a_push_frame_from_a_peer_no_session_names_is_refused_before_it_is_read(
     assert f"exceeds the limit of {UNAUTHORIZED_PUSH_FRAME} bytes" in reply.message
 
 
-def test_a_refused_push_ends_its_stream(stack):
+def test_a_stream_that_keeps_pushing_what_nobody_accepts_is_ended(stack):
+    stranger = PeerKey.generate()
+
     async def scenario(handler, talk):
         owner_reader, _ = await open_pushed_session(talk)
-        reader, writer, receive = talk("push", PUSHER)
-        frame = push_frame(handler, PUSHER, torch.zeros(1, 1, HIDDEN), 0, secret="6" * 32)  # another link's secret
-        reader.feed_data(frame + frame)
-        reply, _ = await receive()
+        reader, writer, receive = talk("push", stranger)
+        frame = push_frame(handler, stranger, torch.zeros(1, 1, HIDDEN), 0)  # even over the session's own link
+        reader.feed_data(frame * (MAX_REFUSED_PUSHES + 3))
+        replies = [(await receive())[0] for _ in range(MAX_REFUSED_PUSHES)]
         await asyncio.sleep(0.2)
         follow_up = len(writer.buffer)
         owner_reader.feed_data(framed(CloseSession()))
         reader.feed_eof()
-        return reply, follow_up
+        return replies, follow_up
 
-    reply, follow_up = serve(stack, scenario)
-    assert isinstance(reply, ErrorReply) and "no open session here accepts pushes" in reply.message
-    assert follow_up == 0  # the second frame was never answered: the stream ended with the first refusal
+    replies, follow_up = serve(stack, scenario)
+    assert all(isinstance(r, ErrorReply) and "no open session here accepts pushes" in r.message for r in replies)
+    assert "refused pushes in a row: the stream ends" in replies[-1].message
+    assert follow_up == 0  # the frames after it were never read: the stream ended
+
+
+def test_a_stale_push_from_a_named_peer_is_refused_and_its_shared_stream_goes_on(stack):
+    async def scenario(handler, talk):
+        owner_reader, owner_receive = await open_pushed_session(talk)
+        reader, writer, receive = talk("push", PUSHER)
+        # a push into a session that has gone (another link), then one into the live session, on the same stream
+        reader.feed_data(push_frame(handler, PUSHER, torch.zeros(1, 1, HIDDEN), 0, secret="6" * 32))
+        refused, _ = await receive()
+        reader.feed_data(push_frame(handler, PUSHER, torch.randn(1, 2, HIDDEN), 0, step_id=3))
+        result, _ = await owner_receive()
+        owner_reader.feed_data(framed(CloseSession()))
+        reader.feed_eof()
+        return refused, result
+
+    refused, result = serve(stack, scenario)
+    assert isinstance(refused, ErrorReply) and "no open session here accepts pushes" in refused.message
+    assert isinstance(result, StepResult) and result.step_id == 3
 
 
 def test_a_pushed_step_the_session_cannot_take_is_refused_to_its_owner_with_the_receipt(stack):

@@ -462,6 +462,7 @@ class InferenceSession:
                 # the replacement gets the history as it was before this step (not reordered yet), then this step
                 history = span.history[:, :position] if span.history is not None else None
                 spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
+                self._renew_link_into(index)
                 continue
             self.manager.forgive(span.span.peer_id)
             if self.checks is not None and mask is None and hypo_ids is None:  # spot checks: maybe check this answer
@@ -476,6 +477,13 @@ class InferenceSession:
         await span.close()
         history = span.history[:, :position] if span.history is not None else None
         self._spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
+        self._renew_link_into(index)
+
+    def _renew_link_into(self, index: int) -> None:
+        """spans[index] was just replaced: the link into it gets a fresh secret, so a push over the old link can only
+        reach the old session (which may still be closing on the same server), never the replacement."""
+        if index > 0 and self._spans is not None:
+            self._spans[index - 1].secret = new_secret()
 
     async def replace_distrusted(self, position: int) -> None:
         """Spot checks: replace every span served by a distrusted peer (replaying its kept inputs before `position`

@@ -82,6 +82,7 @@ logger = logging.getLogger(__name__)
 
 FIRST_MESSAGE_TIMEOUT = 30.0  # seconds a new stream may take to say what it wants
 UNAUTHORIZED_PUSH_FRAME = 1 << 16  # bytes of a push frame from a peer no open session accepts pushes from
+MAX_REFUSED_PUSHES = 8  # pushes nobody accepts, in a row, after which a push stream is ended
 _M = TypeVar("_M", bound=Message)
 _T = TypeVar("_T")
 LINGER_TIMEOUT = 5.0  # seconds a finished stream waits for the client to close its end before closing ours
@@ -302,9 +303,12 @@ class ConnectionHandler:
         """Steps pushed by the previous server of owners' routes, on one persistent stream; each runs in the session
         whose owner named (`peer`, the push's secret) as its source. A frame is bounded, before it is read, by the
         largest step a session accepting pushes from `peer` can take (a peer no session names may send only a small
-        header); a push that no session accepts, or whose receipt is not the pusher's signature of what it sent,
-        is refused on this stream, which then ends. A pushed step the session cannot take (not finite, past its
+        header); a push whose receipt is not the pusher's signature of what it sent is refused on this stream, which
+        then ends; a push that no session accepts is refused, and the stream ends after MAX_REFUSED_PUSHES of them in
+        a row (one persistent stream carries many sessions' pushes: ending it at the first push into a session that
+        just closed would lose the others' pushes already on their way). A pushed step the session cannot take (not finite, past its
         length...) goes to the owner as PushRefused, with the receipt, and leaves the session as it was."""
+        refused = 0  # pushes refused in a row on this stream
         while True:
             limit = max((self.checks.step_frame_limit(live.session.batch_size, live.session.max_length,
                                                       live.session.num_blocks) for live in self.links.accepting(peer)),
@@ -315,7 +319,19 @@ class ConnectionHandler:
                 return
             if not isinstance(message, PushStep):
                 raise RequestError(ErrorCode.BAD_REQUEST, f"this stream takes push_step, got {message.kind}")
-            live = self.links.authorize(peer, message.secret)
+            try:
+                live = self.links.authorize(peer, message.secret)
+            except RequestError as e:
+                # an honest server's push into a session that has gone (its owner closed or moved it meanwhile) is
+                # refused, but the stream it shares with other sessions' pushes goes on: ending it would lose pushes
+                # already on their way. A stream that keeps pushing what nobody accepts is ended.
+                refused += 1
+                if refused >= MAX_REFUSED_PUSHES:
+                    raise RequestError(e.code, f"{e} ({refused} refused pushes in a row: the stream ends)") from None
+                logger.info("push refused peer=%s reason=%s", peer, e)
+                await self._send(writer, ErrorReply(code=e.code, message=str(e)))
+                continue
+            refused = 0
             problem = push_receipt_problem(message, tensors, pusher=peer, receiver=self.key.peer_id)
             if problem is not None:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"push refused: {problem}")
