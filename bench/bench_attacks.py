@@ -76,7 +76,9 @@ def peer_id(proc: LocalProcess) -> str:
 
 def start(local: LocalSwarm, model: str, servers: dict[str, list[str]]) -> dict[str, LocalProcess]:
     """`corolla serve` for each name -> args (started at once), once all are ready."""
-    procs = {name: local.start_server(model, [*args, *SERVER_ARGS], name=name, wait=False) for name, args in servers.items()}
+    procs = {
+        name: local.start_server(model, [*args, *SERVER_ARGS], name=name, wait=False) for name, args in servers.items()
+    }
     for proc in procs.values():
         local.wait_ready(proc)
     return procs
@@ -84,9 +86,17 @@ def start(local: LocalSwarm, model: str, servers: dict[str, list[str]]) -> dict[
 
 def write_model(directory: Path) -> str:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
-                         eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     LlamaForCausalLM(config).eval().save_pretrained(directory)
     return str(directory)
 
@@ -115,10 +125,13 @@ class Bench:
         return stack.enter_context(LocalSwarm(env={"COROLLA_CACHE": cache, **env}))
 
     # ------------------------------------------------------------------ generation helpers
-    def generate(self, peers: list[str], streamer=None, **config) -> tuple[torch.Tensor, set[str], set[str], bool, dict]:
+    def generate(
+        self, peers: list[str], streamer=None, **config
+    ) -> tuple[torch.Tensor, set[str], set[str], bool, dict]:
         """Greedy tokens: (them, distrusted peers, banned peers, unverified, reputation)."""
         model = AutoDistributedModelForCausalLM.from_pretrained(
-            self.model, initial_peers=peers, client_config=ClientConfig(ping_timeout=10.0, **config))
+            self.model, initial_peers=peers, client_config=ClientConfig(ping_timeout=10.0, **config)
+        )
         try:
             with model.inference_session(max_length=64) as session:
                 out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, streamer=streamer)
@@ -143,29 +156,49 @@ class Bench:
                 self.attempt("dht record hijack", lambda: loop.run(dht_attacks.hijack_record(peers, prefix, 0, a)))
                 self.attempt("dht key squat", lambda: loop.run(dht_attacks.squat_key(peers, prefix, 2)))
                 self.attempt("dht key shadow", lambda: loop.run(dht_attacks.shadow_key(peers, prefix, 0, a)))
-                self.attempt("dht replayed record", lambda: loop.run(dht_attacks.replay_older_record(peers, prefix, 2, b)))
+                self.attempt(
+                    "dht replayed record", lambda: loop.run(dht_attacks.replay_older_record(peers, prefix, 2, b))
+                )
                 self.attempt("model-index flood", lambda: loop.run(dht_attacks.flood_model_index(peers, entries=64)))
-                self.attempt("block-key flood", lambda: loop.run(dht_attacks.flood_block_keys(peers, prefix, [0, 1], a)))
+                self.attempt(
+                    "block-key flood", lambda: loop.run(dht_attacks.flood_block_keys(peers, prefix, [0, 1], a))
+                )
                 out, *_ = self.generate(peers)
-                self.record(AttackResult("dht: a new client after the attacks", not torch.equal(out, self.expected),
-                                         "greedy output equals HF's" if torch.equal(out, self.expected) else "output differs"))
+                self.record(
+                    AttackResult(
+                        "dht: a new client after the attacks",
+                        not torch.equal(out, self.expected),
+                        "greedy output equals HF's" if torch.equal(out, self.expected) else "output differs",
+                    )
+                )
             nodes: list[SwarmNode] = [loop.run(create_swarm_node(peers, client_mode=True)) for _ in range(2)]
             stack.callback(lambda: [loop.run(n.shutdown()) for n in nodes])
             attacker, honest = nodes
             if "server" in groups:
                 # memory is measured by the probe attack: it goes first (the cache queue attack may legitimately get
                 # a whole-budget cache allocated to the attacker, which the process keeps as freed memory)
-                self.attempt("probe amplification", lambda: loop.run(
-                    server_attacks.probe_attack(attacker.p2p, a, procs["a"].pid, probes=8)))
+                self.attempt(
+                    "probe amplification",
+                    lambda: loop.run(server_attacks.probe_attack(attacker.p2p, a, procs["a"].pid, probes=8)),
+                )
                 self.attempt("forward batch", lambda: loop.run(server_attacks.pass_attack(attacker.p2p, a)))
-                self.attempt("stream and session flood", lambda: loop.run(
-                    server_attacks.flood_attack(attacker.p2p, honest.p2p, a, procs["a"].pid, sessions=400, streams=300)))
-                self.attempt("cache queue", lambda: loop.run(server_attacks.cache_queue_attack(attacker.p2p, honest.p2p, a)))
+                self.attempt(
+                    "stream and session flood",
+                    lambda: loop.run(
+                        server_attacks.flood_attack(
+                            attacker.p2p, honest.p2p, a, procs["a"].pid, sessions=400, streams=300
+                        )
+                    ),
+                )
+                self.attempt(
+                    "cache queue", lambda: loop.run(server_attacks.cache_queue_attack(attacker.p2p, honest.p2p, a))
+                )
             if "push" in groups:
                 self.push_attacks(peers, procs, attacker, loop, push_attacks)
 
-    def push_attacks(self, peers: list[str], procs: dict[str, LocalProcess], attacker: SwarmNode, loop: Loop,
-                     push_attacks) -> None:
+    def push_attacks(
+        self, peers: list[str], procs: dict[str, LocalProcess], attacker: SwarmNode, loop: Loop, push_attacks
+    ) -> None:
         from corolla.testing.server_attacks import process_rss_mib
 
         a, b = peer_id(procs["a"]), peer_id(procs["b"])
@@ -175,28 +208,53 @@ class Bench:
                 model.generate(PROMPT[:, :3], max_new_tokens=2, session=session)
                 spans = session._spans
                 held = session.position
-                for name, secret, position in [("push confused deputy (overwrite)", "0" * 32, 0),
-                                               ("push confused deputy (read)", "1" * 32, 2),
-                                               ("push confused deputy (leaked secret)", spans[0].secret, 0)]:
-                    attempt = loop.run(push_attacks.push_through_upstream(
-                        attacker, a, (0, 2), b, secret, torch.randn(1, 3, 64), position=position))
+                for name, secret, position in [
+                    ("push confused deputy (overwrite)", "0" * 32, 0),
+                    ("push confused deputy (read)", "1" * 32, 2),
+                    ("push confused deputy (leaked secret)", spans[0].secret, 0),
+                ]:
+                    attempt = loop.run(
+                        push_attacks.push_through_upstream(
+                            attacker, a, (0, 2), b, secret, torch.randn(1, 3, 64), position=position
+                        )
+                    )
                     leaked = len(attempt.outputs) > 1
-                    self.record(AttackResult(name, leaked or session.position != held,
-                                             f"the attacker got {len(attempt.outputs)} output(s) (its own step's); "
-                                             f"answers: {', '.join(attempt.answers)[:160]}"))
+                    self.record(
+                        AttackResult(
+                            name,
+                            leaked or session.position != held,
+                            f"the attacker got {len(attempt.outputs)} output(s) (its own step's); "
+                            f"answers: {', '.join(attempt.answers)[:160]}",
+                        )
+                    )
                 attempt = loop.run(push_attacks.push_directly(attacker, b, spans[0].secret, torch.zeros(1, 1, 64), 0))
-                self.record(AttackResult("push from a peer the owner did not name", not attempt.answers[0].startswith("error"),
-                                         attempt.answers[0][:160]))
+                self.record(
+                    AttackResult(
+                        "push from a peer the owner did not name",
+                        not attempt.answers[0].startswith("error"),
+                        attempt.answers[0][:160],
+                    )
+                )
                 out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session)
-                self.record(AttackResult("push attacks: the victim's session afterwards", not torch.equal(out, self.expected),
-                                         "greedy output equals HF's" if torch.equal(out, self.expected) else "output differs"))
+                self.record(
+                    AttackResult(
+                        "push attacks: the victim's session afterwards",
+                        not torch.equal(out, self.expected),
+                        "greedy output equals HF's" if torch.equal(out, self.expected) else "output differs",
+                    )
+                )
         finally:
             model.shutdown()
         before = process_rss_mib(procs["b"].pid)
         answers = loop.run(push_attacks.unauthorized_push_frames(attacker, b, frames=4, announced=128 << 20))
         after = process_rss_mib(procs["b"].pid)
-        self.record(AttackResult("push frames before authorization", after - before > 64 or "exceeds the limit" not in answers,
-                                 f"4 frames announcing 128 MiB: {answers[:120]}; server RSS {before:.0f} -> {after:.0f} MiB"))
+        self.record(
+            AttackResult(
+                "push frames before authorization",
+                after - before > 64 or "exceeds the limit" not in answers,
+                f"4 frames announcing 128 MiB: {answers[:120]}; server RSS {before:.0f} -> {after:.0f} MiB",
+            )
+        )
 
     def route(self) -> None:
         three = {"first": ["--blocks", "0:1"], "middle": ["--blocks", "1:3"], "last": ["--blocks", "3:4"]}
@@ -214,16 +272,33 @@ class Bench:
                 out, distrusted, banned, _, _ = self.generate(peers, arm)
                 honest = {ids[n] for n in ("first", "last", replica)}
                 ok = torch.equal(out, self.expected) and not (honest & (distrusted | banned))
-                self.record(AttackResult(name, not ok, f"output {'equals' if torch.equal(out, self.expected) else 'differs from'} "
-                                         f"HF's; liar {'distrusted' if ids[liar] in distrusted else 'banned' if ids[liar] in banned else 'kept'}; "
-                                         f"honest servers blamed: {len(honest & (distrusted | banned))}"))
+                fate = "distrusted" if ids[liar] in distrusted else "banned" if ids[liar] in banned else "kept"
+                self.record(AttackResult(
+                    name, not ok, f"output {'equals' if torch.equal(out, self.expected) else 'differs from'} HF's; "
+                                  f"liar {fate}; honest servers blamed: {len(honest & (distrusted | banned))}"))
         for name, servers, liar, honest_names, config in [
-            ("lying checker (two holders)", {"head": ["--blocks", "0:2"], "main": ["--blocks", "2:4", *PREFERRED],
-                                             "liar": ["--blocks", "2:4", *BACKUP, "--inject-fault", "lie-to-checkers"]},
-             "liar", ("head", "main"), dict(verify_rate=1.0, verify_seed=0)),
-            ("claimed quantization", {"head": ["--blocks", "0:2"], "liar": ["--blocks", "2:4", *PREFERRED, "--inject-fault",
-                                                                             "false-quant"], "honest": ["--blocks", "2:4", *BACKUP]},
-             "liar", ("head", "honest"), dict(verify_rate=0.05, verify_seed=0)),
+            (
+                "lying checker (two holders)",
+                {
+                    "head": ["--blocks", "0:2"],
+                    "main": ["--blocks", "2:4", *PREFERRED],
+                    "liar": ["--blocks", "2:4", *BACKUP, "--inject-fault", "lie-to-checkers"],
+                },
+                "liar",
+                ("head", "main"),
+                dict(verify_rate=1.0, verify_seed=0),
+            ),
+            (
+                "claimed quantization",
+                {
+                    "head": ["--blocks", "0:2"],
+                    "liar": ["--blocks", "2:4", *PREFERRED, "--inject-fault", "false-quant"],
+                    "honest": ["--blocks", "2:4", *BACKUP],
+                },
+                "liar",
+                ("head", "honest"),
+                dict(verify_rate=0.05, verify_seed=0),
+            ),
         ]:
             with ExitStack() as stack:
                 local = self.swarm(stack)
@@ -232,26 +307,47 @@ class Bench:
                 ids = {n: peer_id(p) for n, p in procs.items()}
                 procs[liar].popen.send_signal(signal.SIGUSR1)
                 out, distrusted, _, unverified, _ = self.generate(peers, **config)
-                ok = torch.equal(out, self.expected) and ids[liar] in distrusted and not distrusted & {ids[n] for n in honest_names}
-                self.record(AttackResult(name, not ok, f"output {'equals' if torch.equal(out, self.expected) else 'differs from'} "
-                                         f"HF's; liar {'distrusted' if ids[liar] in distrusted else 'kept'}; honest distrusted: "
-                                         f"{len(distrusted & {ids[n] for n in honest_names})}; unverified: {unverified}"))
+                ok = (
+                    torch.equal(out, self.expected)
+                    and ids[liar] in distrusted
+                    and not distrusted & {ids[n] for n in honest_names}
+                )
+                self.record(
+                    AttackResult(
+                        name,
+                        not ok,
+                        f"output {'equals' if torch.equal(out, self.expected) else 'differs from'} "
+                        f"HF's; liar {'distrusted' if ids[liar] in distrusted else 'kept'}; honest distrusted: "
+                        f"{len(distrusted & {ids[n] for n in honest_names})}; unverified: {unverified}",
+                    )
+                )
 
     def private(self) -> None:
         from corolla.membership import load_swarm_key
         from corolla.testing import dht_attacks
 
         key_path = str(self.workdir / "swarm.key")
-        subprocess.run([sys.executable, "-m", "corolla.cli.main", "swarm-key", key_path], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "corolla.cli.main", "swarm-key", key_path], check=True, capture_output=True
+        )
         with ExitStack() as stack:
             local = self.swarm(stack)
             maddrs = local.start_dht(args=["--swarm-key", key_path])
-            procs = start(local, self.model, {"a": ["--blocks", "0:2", "--swarm-key", key_path],
-                                              "b": ["--blocks", "2:4", "--swarm-key", key_path]})
+            procs = start(
+                local,
+                self.model,
+                {"a": ["--blocks", "0:2", "--swarm-key", key_path], "b": ["--blocks", "2:4", "--swarm-key", key_path]},
+            )
             loop = Loop()
             stack.callback(loop.close)
-            self.attempt("private swarm, member erasing another's record", lambda: loop.run(dht_attacks.erase_member_record(
-                maddrs, Path(self.model).name, 0, peer_id(procs["a"]), load_swarm_key(key_path))))
+            self.attempt(
+                "private swarm, member erasing another's record",
+                lambda: loop.run(
+                    dht_attacks.erase_member_record(
+                        maddrs, Path(self.model).name, 0, peer_id(procs["a"]), load_swarm_key(key_path)
+                    )
+                ),
+            )
 
     def api(self) -> None:
         from corolla.cli.demo_cmd import demo_model_path
@@ -270,11 +366,18 @@ class Bench:
 
         hostile = "<!--<script>alert(1)</script>\u2028"
         page = render_page(None, state_url=hostile, refresh_period=1.0)
-        config = page[page.index("{\"state_url\""):]
+        config = page[page.index('{"state_url"') :]
         config = config[: config.index("</script>")] if "</script>" in config else config
         leaked = any(bad in config for bad in ("<!--", "<script", "\u2028"))
-        self.record(AttackResult("monitor page markup", leaked, "an announced '<!--<script>' string is escaped in the "
-                                 "page's embedded JSON" if not leaked else "markup reached the page's JSON as is"))
+        self.record(
+            AttackResult(
+                "monitor page markup",
+                leaked,
+                "an announced '<!--<script>' string is escaped in the page's embedded JSON"
+                if not leaked
+                else "markup reached the page's JSON as is",
+            )
+        )
 
 
 class ArmAt:
@@ -314,8 +417,16 @@ def main() -> None:
         if "monitor" in groups:
             bench.monitor()
     broken = [r for r in bench.results if r.succeeded]
-    print(json.dumps({"attacks": [asdict(r) for r in bench.results], "defended": len(bench.results) - len(broken),
-                      "broken": len(broken), "seconds": round(time.perf_counter() - begin, 1)}))
+    print(
+        json.dumps(
+            {
+                "attacks": [asdict(r) for r in bench.results],
+                "defended": len(bench.results) - len(broken),
+                "broken": len(broken),
+                "seconds": round(time.perf_counter() - begin, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

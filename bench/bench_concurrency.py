@@ -79,7 +79,9 @@ def engine_batching(path: Path, counts: list[int], repeats: int = 5) -> list[dic
     prefixes = [family.block_prefix(i) for i in range(half)]
     tensors = load_tensors(str(path), lambda name: name.startswith(tuple(prefixes)), rename=family.canonical_name)
     blocks = [family.load_block(config, index, tensors).eval() for index in range(half)]
-    stack = BlockStack(blocks, 0, config.hidden_size, KVLayout(*family.kv_layout(config)), torch.float32, torch.device("cpu"))
+    stack = BlockStack(
+        blocks, 0, config.hidden_size, KVLayout(*family.kv_layout(config)), torch.float32, torch.device("cpu")
+    )
     results = []
     for count in counts:
         caches = [stack.allocate_cache(1, 64, 0, half) for _ in range(count)]
@@ -95,8 +97,14 @@ def engine_batching(path: Path, counts: list[int], repeats: int = 5) -> list[dic
             begin = time.perf_counter()
             stack.decode_batch([(x, cache, 16 + r) for x, cache in zip(steps, caches)])
             batched.append(time.perf_counter() - begin)
-        results.append({"sessions": count, "blocks": half, "one_by_one_ms": round(statistics.median(alone) * 1e3, 1),
-                        "batched_ms": round(statistics.median(batched) * 1e3, 1)})
+        results.append(
+            {
+                "sessions": count,
+                "blocks": half,
+                "one_by_one_ms": round(statistics.median(alone) * 1e3, 1),
+                "batched_ms": round(statistics.median(batched) * 1e3, 1),
+            }
+        )
         log(f"engine: {results[-1]}")
     del blocks, stack, tensors
     return results
@@ -131,11 +139,27 @@ def run_sessions(count: int, path: Path, peers: list[str], args: argparse.Namesp
     with tempfile.TemporaryDirectory() as sync:
         procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "--client", "--index", str(i), "--model-path", str(path), "--sync-dir", sync,
-                 "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
-                 *(["--servers-only"] if args.servers_only else []),
-                 "--initial-peers", *peers],
-                stdout=subprocess.PIPE, text=True, start_new_session=True,
+                [
+                    sys.executable,
+                    __file__,
+                    "--client",
+                    "--index",
+                    str(i),
+                    "--model-path",
+                    str(path),
+                    "--sync-dir",
+                    sync,
+                    "--prompt-tokens",
+                    str(args.prompt_tokens),
+                    "--new-tokens",
+                    str(args.new_tokens),
+                    *(["--servers-only"] if args.servers_only else []),
+                    "--initial-peers",
+                    *peers,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
             )
             for i in range(count)
         ]
@@ -166,9 +190,12 @@ def main() -> int:
     parser.add_argument("--sessions", default="1,4,16")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--servers-only", action="store_true",
-                        help="clients skip the LM head during decode (each feeds its last token again): measures what "
-                             "the servers sustain when the clients' heads run on other machines")
+    parser.add_argument(
+        "--servers-only",
+        action="store_true",
+        help="clients skip the LM head during decode (each feeds its last token again): measures what "
+        "the servers sustain when the clients' heads run on other machines",
+    )
     parser.add_argument("--max-batch-size", type=int, default=64, help="the servers' --max-batch-size")
     parser.add_argument("--cache-dir", default=None, help="where bench_generate.py keeps its checkpoints")
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -194,8 +221,9 @@ def main() -> int:
         with LocalSwarm(env={"COROLLA_CACHE": str(Path(tmp) / "cache")}) as swarm:
             peers = swarm.start_dht()
             extra = ["--max-batch-size", str(args.max_batch_size)]
-            servers = [swarm.start_server(str(path), ["--blocks", b, *SERVER_ARGS, *extra], wait=False)
-                       for b in ("0:4", "4:8")]
+            servers = [
+                swarm.start_server(str(path), ["--blocks", b, *SERVER_ARGS, *extra], wait=False) for b in ("0:4", "4:8")
+            ]
             for proc in servers:
                 swarm.wait_ready(proc)
             for count in counts:
@@ -204,11 +232,18 @@ def main() -> int:
                 results.append(result)
     by_count = {r["sessions"]: r for r in results}
     report = {
-        "model": MODEL, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "servers_only": args.servers_only, "max_batch_size": args.max_batch_size,
-        "engine_decode_step": engine, "local_batched": local, "swarm": results,
-        "ratios_vs_local_batched": {str(c): round(r["aggregate_decode_tokens_per_s"] / local["decode_tokens_per_s"], 3)
-                                    for c, r in by_count.items()},
+        "model": MODEL,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "servers_only": args.servers_only,
+        "max_batch_size": args.max_batch_size,
+        "engine_decode_step": engine,
+        "local_batched": local,
+        "swarm": results,
+        "ratios_vs_local_batched": {
+            str(c): round(r["aggregate_decode_tokens_per_s"] / local["decode_tokens_per_s"], 3)
+            for c, r in by_count.items()
+        },
     }
     if 16 in by_count:
         report["goals"] = {"16_sessions_ge_0.8x_local_batched": report["ratios_vs_local_batched"]["16"] >= 0.8}

@@ -7,8 +7,10 @@ token reaching the streamer (detecting the failure, re-routing, opening a stream
 session's history, and finishing the step). The killed server is then restarted so every span keeps a replica.
 Every trial's tokens are compared with the local HF model's.
 
-Routing: a simulated swarm of 50 servers over an 80-block model (random spans of 4-24 blocks redrawn until every block is
-covered, random throughput, half the servers without cache room, random client round trips of 1-200 ms); times `find_route` for the whole model, median of many plans.
+Routing: a simulated swarm of 50 servers over an 80-block model (random spans of 4-24 blocks redrawn until every block
+is
+covered, random throughput, half the servers without cache room, random client round trips of 1-200 ms); times
+`find_route` for the whole model, median of many plans.
 
     python bench/bench_failover.py --kills 20
 Prints one JSON object on stdout; progress goes to stderr.
@@ -74,12 +76,23 @@ def bench_failover(kills: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tiny-llama"
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=None)
+        config = LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            bos_token_id=1,
+            eos_token_id=None,
+        )
         LlamaForCausalLM(config).eval().save_pretrained(path)
         ids = torch.tensor([[1, 11, 22, 33, 44]])
-        expected = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval().generate(
-            ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected = (
+            LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+            .eval()
+            .generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        )
         with LocalSwarm(env={"COROLLA_CACHE": str(Path(tmp) / "cache")}) as local:
             peers = local.start_dht()
 
@@ -99,10 +112,18 @@ def bench_failover(kills: int, seed: int) -> dict:
                         streamer = KillAt(position, span_index, session, local, by_peer)
                         out = model.generate(ids, max_new_tokens=NEW_TOKENS, session=session, streamer=streamer)
                     identical = bool(torch.equal(out, expected))
-                    trials.append({"kill_after_tokens": position, "span": span_index, "identical": identical,
-                                   "failover_s": round(streamer.failover_s, 4)})
-                    log(f"kill {trial + 1}/{kills}: after token {position}, span {span_index}: "
-                        f"{streamer.failover_s * 1e3:.0f} ms, identical={identical}")
+                    trials.append(
+                        {
+                            "kill_after_tokens": position,
+                            "span": span_index,
+                            "identical": identical,
+                            "failover_s": round(streamer.failover_s, 4),
+                        }
+                    )
+                    log(
+                        f"kill {trial + 1}/{kills}: after token {position}, span {span_index}: "
+                        f"{streamer.failover_s * 1e3:.0f} ms, identical={identical}"
+                    )
                     dead = by_peer.pop(streamer.victim)
                     replacement = start(SPANS[procs.index(dead)])
                     procs[procs.index(dead)] = replacement
@@ -114,8 +135,11 @@ def bench_failover(kills: int, seed: int) -> dict:
     return {
         "kills": len(trials),
         "all_identical": all(t["identical"] for t in trials),
-        "failover_s": {"median": round(statistics.median(times), 4), "p95": round(percentile(times, 0.95), 4),
-                       "max": round(max(times), 4)},
+        "failover_s": {
+            "median": round(statistics.median(times), 4),
+            "p95": round(percentile(times, 0.95), 4),
+            "max": round(max(times), 4),
+        },
         "trials": trials,
     }
 
@@ -142,10 +166,18 @@ def _random_servers(num_servers: int, num_blocks: int, rng: random.Random) -> tu
     for i in range(num_servers):
         length = rng.randint(4, 24)
         start = rng.randrange(0, num_blocks - length + 1)
-        info = ServerInfo(state=ServerState.ONLINE, start_block=start, end_block=start + length,
-                          throughput=rng.uniform(5, 500), cache_tokens_total=10000,
-                          cache_tokens_free=rng.choice([0, 10000]), torch_dtype="float32", version="0",
-                          protocol_version=1, max_session_length=4096)
+        info = ServerInfo(
+            state=ServerState.ONLINE,
+            start_block=start,
+            end_block=start + length,
+            throughput=rng.uniform(5, 500),
+            cache_tokens_total=10000,
+            cache_tokens_free=rng.choice([0, 10000]),
+            torch_dtype="float32",
+            version="0",
+            protocol_version=1,
+            max_session_length=4096,
+        )
         peer = f"peer{i:02d}"
         rtts[peer] = rng.uniform(0.001, 0.2)
         for block in range(start, start + length):
@@ -164,7 +196,9 @@ def bench_routing(plans: int, seed: int) -> dict:
         assert route is not None
         hops.append(len(route))
     return {
-        "servers": 50, "blocks": 80, "plans": plans,
+        "servers": 50,
+        "blocks": 80,
+        "plans": plans,
         "plan_ms": {"median": round(statistics.median(times) * 1e3, 3), "p95": round(percentile(times, 0.95) * 1e3, 3)},
         "hops_median": statistics.median(hops),
     }
@@ -184,10 +218,14 @@ def main() -> int:
         report["failover"] = bench_failover(args.kills, args.seed)
     report["goals"] = {
         "route_plan_50_servers_lt_20ms": report["routing"]["plan_ms"]["median"] < 20,
-        **({} if args.skip_failover else {
-            "failover_p95_le_2s": report["failover"]["failover_s"]["p95"] <= 2.0,
-            "every_output_identical": report["failover"]["all_identical"],
-        }),
+        **(
+            {}
+            if args.skip_failover
+            else {
+                "failover_p95_le_2s": report["failover"]["failover_s"]["p95"] <= 2.0,
+                "every_output_identical": report["failover"]["all_identical"],
+            }
+        ),
     }
     print(json.dumps(report, indent=2))
     return 0

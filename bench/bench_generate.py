@@ -254,12 +254,14 @@ def bench_swarm(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int, nu
         for server in servers:
             swarm.wait_ready(server, timeout=600)
         log("swarm ready")
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=peers, torch_dtype=torch.float32)
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=peers,
+                                                                torch_dtype=torch.float32)
         try:
             head = model.head
 
             def run_once():
                 with model.inference_session(max_length=ids.shape[1] + new_tokens) as session:
+
                     def step(tokens):  # (1, t) -> (1,)
                         hidden = session.step(head.embed(tokens))
                         return head.logits(hidden[:, -1:])[:, -1].argmax(-1)
@@ -273,7 +275,7 @@ def bench_swarm(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int, nu
 
             result, tokens = median_timings(run_once, repeats)
             generated = model.generate(ids, max_new_tokens=new_tokens)
-            matches_generate = generated[0, ids.shape[1]:].tolist() == tokens
+            matches_generate = generated[0, ids.shape[1] :].tolist() == tokens
             result["servers_peak_rss_mb"] = [peak_rss_mb(server.pid) for server in servers]
         finally:
             model.shutdown()
@@ -293,8 +295,9 @@ def peak_rss_mb(pid: int | None = None) -> float | None:
     return None
 
 
-def bench_model(name: str, args: argparse.Namespace, cache_root: Path, tmp_root: Path,
-                locals_done: dict[str, tuple]) -> dict:
+def bench_model(
+    name: str, args: argparse.Namespace, cache_root: Path, tmp_root: Path, locals_done: dict[str, tuple]
+) -> dict:
     path = build_model(name, cache_root, tmp_root)
     config = model_config(name)
     ids = torch.randint(3, config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
@@ -306,13 +309,19 @@ def bench_model(name: str, args: argparse.Namespace, cache_root: Path, tmp_root:
         locals_done[base_name(name)] = (local, local_tokens, local_gen_ok, n_params)
     log(f"{name}: local {local['prefill_s']} s prefill, {local['decode_ms_per_token']} ms/token; starting swarm")
     env = {"COROLLA_BACKEND": "generic"} if name.endswith(GENERIC_SUFFIX) else None
-    swarm, swarm_tokens, swarm_gen_ok = bench_swarm(path, ids, args.new_tokens, args.repeats, config.num_hidden_layers,
-                                                    env)
+    swarm, swarm_tokens, swarm_gen_ok = bench_swarm(
+        path, ids, args.new_tokens, args.repeats, config.num_hidden_layers, env
+    )
     log(f"{name}: swarm {swarm['prefill_s']} s prefill, {swarm['decode_ms_per_token']} ms/token")
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return {
-        "config": {"model_type": config.model_type, **MODELS[base_name(name)][1], "parameters": n_params,
-                   "checkpoint_bytes": size, "server_backend": backend_of(name, config)},
+        "config": {
+            "model_type": config.model_type,
+            **MODELS[base_name(name)][1],
+            "parameters": n_params,
+            "checkpoint_bytes": size,
+            "server_backend": backend_of(name, config),
+        },
         "local": local,
         "swarm": swarm,
         "ratios": {
@@ -341,14 +350,20 @@ def goals(results: dict) -> dict:
     return {
         "tinyllama8_decode_le_1.10x_local": None if big is None else big["ratios"]["decode"] <= 1.10,
         "tiny_decode_le_local_plus_2ms": None if tiny is None else tiny["decode_overhead_ms_per_token"] <= 2.0,
-        **{f"{name}_decode_le_1.10x_local": results[name]["ratios"]["decode"] <= 1.10
-           for name in (*FAMILY_MODELS, *GENERIC_MODELS) if name in results},  # only the models that were run
+        **{
+            f"{name}_decode_le_1.10x_local": results[name]["ratios"]["decode"] <= 1.10
+            for name in (*FAMILY_MODELS, *GENERIC_MODELS)
+            if name in results
+        },  # only the models that were run
         "prefill_le_1.2x_local": {name: r["ratios"]["prefill"] <= 1.2 for name, r in results.items()},
         # our own block vs the generic backend on one checkpoint (X and X@generic): swarm time, generic / ours
         "generic_vs_our_block": {
-            name: {key: round(r["swarm"][key] / results[base_name(name)]["swarm"][key], 3)
-                   for key in ("decode_ms_per_token", "prefill_s")}
-            for name, r in results.items() if name.endswith(GENERIC_SUFFIX) and base_name(name) in results
+            name: {
+                key: round(r["swarm"][key] / results[base_name(name)]["swarm"][key], 3)
+                for key in ("decode_ms_per_token", "prefill_s")
+            }
+            for name, r in results.items()
+            if name.endswith(GENERIC_SUFFIX) and base_name(name) in results
         },
     }
 
@@ -365,18 +380,26 @@ def expand_models(spec: str) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="tiny,tinyllama8",
-                        help=f"comma-separated, from {list(MODELS)}; shortcuts: {sorted(SHORTCUTS)}")
+    parser.add_argument(
+        "--models",
+        default="tiny,tinyllama8",
+        help=f"comma-separated, from {list(MODELS)}; shortcuts: {sorted(SHORTCUTS)}",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (median reported)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length")
-    parser.add_argument("--cache-dir", default=os.environ.get("COROLLA_BENCH_CACHE", "/tmp/corolla-bench"),
-                        help="where the large checkpoints are built once and reused ($COROLLA_BENCH_CACHE)")
+    parser.add_argument(
+        "--cache-dir",
+        default=os.environ.get("COROLLA_BENCH_CACHE", "/tmp/corolla-bench"),
+        help="where the large checkpoints are built once and reused ($COROLLA_BENCH_CACHE)",
+    )
     args = parser.parse_args()
     names = expand_models(args.models)
     unknown = [n for n in names if base_name(n) not in MODELS]
     if unknown or args.repeats < 1 or args.new_tokens < 2 or args.prompt_tokens < 1:
-        parser.error(f"unknown models {unknown}" if unknown else "need repeats >= 1, new-tokens >= 2, prompt-tokens >= 1")
+        parser.error(
+            f"unknown models {unknown}" if unknown else "need repeats >= 1, new-tokens >= 2, prompt-tokens >= 1"
+        )
 
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -388,12 +411,25 @@ def main() -> int:
     report = {
         "models": results,
         "goals": goals(results),
-        "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                     "dtype": "float32", "greedy": True, "servers": 2, "blocks_per_server": "half each"},
+        "settings": {
+            "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "dtype": "float32",
+            "greedy": True,
+            "servers": 2,
+            "blocks_per_server": "half each",
+        },
         "method": METHOD,
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads_client": torch.get_num_threads(),
-                    "torch_threads_local_baseline": 1, "torch_threads_servers": 1, "python": platform.python_version(),
-                    "platform": platform.platform()},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads_client": torch.get_num_threads(),
+            "torch_threads_local_baseline": 1,
+            "torch_threads_servers": 1,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
         "wall_s": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(report, indent=2))

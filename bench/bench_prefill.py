@@ -96,8 +96,15 @@ def main() -> int:
                 proc.wait_for(r"serving blocks", 600)
             exact = None
             for mode in args.modes:
-                client = Agent(net, "client", model, peers, config=config_of(mode, args.prompt_tokens, args.chunk_tokens),
-                               label=f"client-{mode}", log=log_file)
+                client = Agent(
+                    net,
+                    "client",
+                    model,
+                    peers,
+                    config=config_of(mode, args.prompt_tokens, args.chunk_tokens),
+                    label=f"client-{mode}",
+                    log=log_file,
+                )
                 if not client.ready["ready"]:
                     raise RuntimeError(f"client did not start: {client.ready}")
                 reply = client.request("timed_prefill", ids=ids.tolist(), repeats=args.repeats, timeout=3600)
@@ -107,8 +114,11 @@ def main() -> int:
                 last = torch.tensor(reply["last_hidden"])
                 if mode == "oneshot-none":
                     exact = (last, reply["token"])
-                entry = {"ttft_s": round(statistics.median(reply["ttft_s"]), 3),
-                         "ttft_runs_s": [round(t, 3) for t in reply["ttft_s"]], "pushed_steps": reply["pushed_steps"]}
+                entry = {
+                    "ttft_s": round(statistics.median(reply["ttft_s"]), 3),
+                    "ttft_runs_s": [round(t, 3) for t in reply["ttft_s"]],
+                    "pushed_steps": reply["pushed_steps"],
+                }
                 if exact is not None:
                     entry["relative_error_vs_exact"] = float((last - exact[0]).norm() / exact[0].norm())
                     entry["same_first_token"] = reply["token"] == exact[1]

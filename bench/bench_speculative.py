@@ -14,7 +14,8 @@ Modes, each on the same prompts and the same swarm:
 
 Measured per run (a fresh inference session each): round trips = the session's `steps` (steps sent through the
 chain), tokens per round trip = new tokens / round trips, client requests per token = the session's `exchanges`
-(requests the client sent and waited for: one per step in push mode, one per server in relay mode) / new tokens, time to first token, and decode tokens/s =
+(requests the client sent and waited for: one per step in push mode, one per server in relay mode) / new tokens, time
+to first token, and decode tokens/s =
 (new tokens - 1) / (time of the last token - time of the first), from a streamer's timestamps, and the time per
 round trip spent in the swarm (inside session steps) and in the client (drafting, heads, sampling). Medians over repeats
 after one untimed warm-up. Greedy modes must give plain's tokens exactly (`identical_tokens`).
@@ -51,14 +52,12 @@ from corolla.cli.local_swarm import LocalSwarm
 from corolla.models import get_family
 
 # A text that repeats itself, as summaries, edits and code reviews of a context do: prompt lookup's case.
-REPETITIVE = ("The file system keeps a list of the blocks of each file. The file system keeps a list of the free "
-              "blocks. When a file grows, the file system takes a block from the list of the free blocks and adds it "
-              "to the list of the blocks of the file. When a file shrinks, the file system")
-PROMPTS = {
-    "repetitive": REPETITIVE,
-    "chat": "Human: What is a file system?\nAssistant:",
-    "open": "The server",
-}
+REPETITIVE = (
+    "The file system keeps a list of the blocks of each file. The file system keeps a list of the free "
+    "blocks. When a file grows, the file system takes a block from the list of the free blocks and adds it "
+    "to the list of the blocks of the file. When a file shrinks, the file system"
+)
+PROMPTS = {"repetitive": REPETITIVE, "chat": "Human: What is a file system?\nAssistant:", "open": "The server"}
 LOOKUP_TOKENS = 6
 
 
@@ -97,8 +96,13 @@ def run_once(model, ids: torch.Tensor, new_tokens: int, kwargs: dict[str, Any], 
     new = out.shape[1] - ids.shape[1]
     decode = clock.times[-1] - clock.times[0] if len(clock.times) > 1 else float("nan")
     return {
-        "tokens": out[0, ids.shape[1]:].tolist(), "new_tokens": new, "round_trips": steps,
-        "tokens_per_round_trip": new / steps, "client_requests_per_token": exchanges / new, "time_to_first_token_s": clock.times[0] - start, "total_s": total,
+        "tokens": out[0, ids.shape[1] :].tolist(),
+        "new_tokens": new,
+        "round_trips": steps,
+        "tokens_per_round_trip": new / steps,
+        "client_requests_per_token": exchanges / new,
+        "time_to_first_token_s": clock.times[0] - start,
+        "total_s": total,
         "swarm_ms_per_round_trip": 1e3 * sum(in_swarm) / steps,
         "client_ms_per_round_trip": 1e3 * (total - sum(in_swarm)) / steps,
         "decode_tokens_per_s": (new - 1) / decode if new > 1 else float("nan"),
@@ -129,9 +133,18 @@ def projected_tokens_per_s(result: dict[str, Any], added_rtt_ms: float, crossing
     return 1e3 * result["tokens_per_round_trip"] / per_round_trip
 
 
-def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_path: str | None = None, *,
-            prompts: dict[str, str] | None = None, new_tokens: int = 128, repeats: int = 3, sampling: bool = False,
-            lookup_tokens: int = LOOKUP_TOKENS, relay_baseline: bool = False) -> dict[str, Any]:
+def compare(
+    initial_peers: Sequence[str],
+    model_path: str | None = None,
+    draft_path: str | None = None,
+    *,
+    prompts: dict[str, str] | None = None,
+    new_tokens: int = 128,
+    repeats: int = 3,
+    sampling: bool = False,
+    lookup_tokens: int = LOOKUP_TOKENS,
+    relay_baseline: bool = False,
+) -> dict[str, Any]:
     """Plain vs speculative decoding through the swarm at `initial_peers` (the demo model and its draft unless given).
 
     Returns {"runs": {mode: {prompt: medians...}}, "summary": {mode: ...}}; greedy modes record whether their tokens
@@ -140,8 +153,9 @@ def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_p
     draft_path = draft_path or str(demo_draft_path())
     prompts = prompts or PROMPTS
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=list(initial_peers),
-                                                            torch_dtype=torch.float32)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=list(initial_peers), torch_dtype=torch.float32
+    )
     draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
     clients = {"push": model}
     modes: dict[str, tuple[dict[str, Any], int | None]] = {
@@ -155,8 +169,11 @@ def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_p
         modes["draft_sampling"] = ({"assistant_model": draft, **settings}, 0)
     if relay_baseline:  # a second client on the same swarm that relays every hop
         clients["relay"] = AutoDistributedModelForCausalLM.from_pretrained(
-            model_path, initial_peers=list(initial_peers), torch_dtype=torch.float32,
-            client_config=ClientConfig(push=False))
+            model_path,
+            initial_peers=list(initial_peers),
+            torch_dtype=torch.float32,
+            client_config=ClientConfig(push=False),
+        )
         modes["plain_relay"] = ({}, None)
     runs: dict[str, dict[str, Any]] = {mode: {} for mode in modes}
     try:
@@ -169,8 +186,10 @@ def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_p
                 if any(r["tokens"] != results[0]["tokens"] for r in results):
                     raise RuntimeError(f"{mode} on {name}: tokens changed between runs")
                 runs[mode][name] = _medians(results)
-                log(f"{name:10s} {mode:14s} {runs[mode][name]['tokens_per_round_trip']:.2f} tokens/round trip, "
-                    f"{runs[mode][name]['decode_tokens_per_s']:.1f} tokens/s")
+                log(
+                    f"{name:10s} {mode:14s} {runs[mode][name]['tokens_per_round_trip']:.2f} tokens/round trip, "
+                    f"{runs[mode][name]['decode_tokens_per_s']:.1f} tokens/s"
+                )
     finally:
         for client in clients.values():
             client.shutdown()
@@ -178,8 +197,16 @@ def compare(initial_peers: Sequence[str], model_path: str | None = None, draft_p
 
 
 def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("round_trips", "tokens_per_round_trip", "client_requests_per_token", "time_to_first_token_s", "total_s", "decode_tokens_per_s",
-            "swarm_ms_per_round_trip", "client_ms_per_round_trip")
+    keys = (
+        "round_trips",
+        "tokens_per_round_trip",
+        "client_requests_per_token",
+        "time_to_first_token_s",
+        "total_s",
+        "decode_tokens_per_s",
+        "swarm_ms_per_round_trip",
+        "client_ms_per_round_trip",
+    )
     out = {key: round(statistics.median(r[key] for r in results), 4) for key in keys}
     return {**out, "new_tokens": results[0]["new_tokens"], "tokens": results[0]["tokens"]}
 
@@ -190,14 +217,19 @@ def _summary(runs: dict[str, dict[str, Any]], modes: dict[str, Any]) -> dict[str
         plain = runs["plain_sampling" if modes[mode][1] is not None else "plain"]  # sampling against plain sampling
         per_prompt = {}
         for name, result in runs[mode].items():
-            entry = {"tokens_per_round_trip": result["tokens_per_round_trip"],
-                     "decode_speedup_vs_plain": round(result["decode_tokens_per_s"] / plain[name]["decode_tokens_per_s"], 3),
-                     "round_trip_ratio_vs_plain": round(plain[name]["round_trips"] / result["round_trips"], 3),
-                     "projected_speedup_at_50ms_rtt_2_crossings": round(
-                         projected_tokens_per_s(result, 50, 2) / projected_tokens_per_s(plain[name], 50, 2), 2)}
+            entry = {
+                "tokens_per_round_trip": result["tokens_per_round_trip"],
+                "decode_speedup_vs_plain": round(result["decode_tokens_per_s"] / plain[name]["decode_tokens_per_s"], 3),
+                "round_trip_ratio_vs_plain": round(plain[name]["round_trips"] / result["round_trips"], 3),
+                "projected_speedup_at_50ms_rtt_2_crossings": round(
+                    projected_tokens_per_s(result, 50, 2) / projected_tokens_per_s(plain[name], 50, 2), 2
+                ),
+            }
             if "plain_relay" in runs and modes[mode][1] is None:
                 relay = runs["plain_relay"][name]
-                entry["decode_speedup_vs_relay"] = round(result["decode_tokens_per_s"] / relay["decode_tokens_per_s"], 3)
+                entry["decode_speedup_vs_relay"] = round(
+                    result["decode_tokens_per_s"] / relay["decode_tokens_per_s"], 3
+                )
                 entry["ttft_vs_relay"] = round(result["time_to_first_token_s"] / relay["time_to_first_token_s"], 3)
             if modes[mode][1] is None:  # greedy: must be plain's tokens
                 entry["identical_tokens"] = result["tokens"] == plain[name]["tokens"]
@@ -207,8 +239,10 @@ def _summary(runs: dict[str, dict[str, Any]], modes: dict[str, Any]) -> dict[str
 
 
 def _without_tokens(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {mode: {name: {k: v for k, v in r.items() if k != "tokens"} for name, r in per.items()}
-            for mode, per in runs.items()}
+    return {
+        mode: {name: {k: v for k, v in r.items() if k != "tokens"} for name, r in per.items()}
+        for mode, per in runs.items()
+    }
 
 
 def main() -> None:
@@ -221,19 +255,32 @@ def main() -> None:
     parser.add_argument("--lookup-tokens", type=int, default=LOOKUP_TOKENS, help="prompt_lookup_num_tokens")
     parser.add_argument("--sampling", action="store_true", help="also the draft with sampling (T=0.8, top_p=0.9)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the client (servers: 1 each)")
-    parser.add_argument("--relay-baseline", action="store_true",
-                        help="also plain decoding with the client relaying every hop (push=False)")
+    parser.add_argument(
+        "--relay-baseline",
+        action="store_true",
+        help="also plain decoding with the client relaying every hop (push=False)",
+    )
     parser.add_argument("--prompts", nargs="+", choices=tuple(PROMPTS), default=None, help="a subset of the prompts")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_path = args.model or str(demo_model_path())
-    options = dict(new_tokens=args.new_tokens, repeats=args.repeats, sampling=args.sampling,
-                   lookup_tokens=args.lookup_tokens, relay_baseline=args.relay_baseline,
-                   prompts={name: PROMPTS[name] for name in args.prompts} if args.prompts else None)
+    options = dict(
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        sampling=args.sampling,
+        lookup_tokens=args.lookup_tokens,
+        relay_baseline=args.relay_baseline,
+        prompts={name: PROMPTS[name] for name in args.prompts} if args.prompts else None,
+    )
     report: dict[str, Any] = {
-        "benchmark": "bench_speculative", "model": model_path, "draft": args.draft or str(demo_draft_path()),
-        "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-        "client_threads": args.threads, **options,
+        "benchmark": "bench_speculative",
+        "model": model_path,
+        "draft": args.draft or str(demo_draft_path()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "client_threads": args.threads,
+        **options,
     }
     if args.initial_peers:
         report["swarm"] = {"initial_peers": args.initial_peers}
@@ -244,8 +291,10 @@ def main() -> None:
         spans = [f"0:{half}", f"{half}:{2 * half + get_family(config).num_blocks(config) % 2}"]
         with LocalSwarm() as swarm:
             peers = swarm.start_dht()
-            servers = [swarm.start_server(model_path, ["--blocks", b, "--num-threads", "1"], name=f"server-{b}", wait=False)
-                       for b in spans]
+            servers = [
+                swarm.start_server(model_path, ["--blocks", b, "--num-threads", "1"], name=f"server-{b}", wait=False)
+                for b in spans
+            ]
             for proc in servers:
                 swarm.wait_ready(proc)
             report["swarm"] = {"kind": "loopback", "servers": spans, "server_threads": 1}

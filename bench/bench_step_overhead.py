@@ -78,14 +78,20 @@ def make_stack(hidden: int, blocks: int) -> BlockStack:
 async def through_handler(stack: BlockStack, steps: int, prompt: int) -> list[float]:
     """Seconds per decode step, client frame in to client frame decoded, through rpc_inference."""
     worker = ComputeWorker()
-    handler = ConnectionHandler(stack, CacheAllocator(1 << 16), worker, ServerConfig(model="unused"), describe=lambda: None)
+    handler = ConnectionHandler(
+        stack, CacheAllocator(1 << 16), worker, ServerConfig(model="unused"), describe=lambda: None
+    )
     reader, writer = asyncio.StreamReader(), MemoryWriter()
     blocks = BlockRange(start=stack.start, end=stack.end)
     task = asyncio.ensure_future(handler.rpc_inference(reader, writer, "bench"))
     try:
-        reader.feed_data(encode(OpenSession(protocol_version=PROTOCOL_VERSION, blocks=blocks, max_length=prompt + steps + 1), {}))
+        reader.feed_data(
+            encode(OpenSession(protocol_version=PROTOCOL_VERSION, blocks=blocks, max_length=prompt + steps + 1), {})
+        )
         await writer.next_frame()
-        reader.feed_data(encode(InferenceStep(step_id=0, position=0), {"hidden": torch.randn(1, prompt, stack.hidden_size)}))
+        reader.feed_data(
+            encode(InferenceStep(step_id=0, position=0), {"hidden": torch.randn(1, prompt, stack.hidden_size)})
+        )
         await writer.next_frame()
         times = []
         for i in range(steps):
@@ -132,12 +138,22 @@ def main() -> None:
         handler_runs.append(statistics.median(asyncio.run(through_handler(stack, args.steps, args.prompt))[20:]))
         alone_runs.append(statistics.median(blocks_alone(stack, args.steps, args.prompt)[20:]))
     handler_us, alone_us = statistics.median(handler_runs) * 1e6, statistics.median(alone_runs) * 1e6
-    print(json.dumps({
-        "protocol_version": PROTOCOL_VERSION, "hidden": args.hidden, "blocks": args.blocks, "steps": args.steps,
-        "repeats": args.repeats, "step_through_handler_us": round(handler_us, 1), "blocks_alone_us": round(alone_us, 1),
-        "server_overhead_us": round(handler_us - alone_us, 1),
-        "runs_handler_us": [round(t * 1e6, 1) for t in handler_runs], "runs_alone_us": [round(t * 1e6, 1) for t in alone_runs],
-    }))
+    print(
+        json.dumps(
+            {
+                "protocol_version": PROTOCOL_VERSION,
+                "hidden": args.hidden,
+                "blocks": args.blocks,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "step_through_handler_us": round(handler_us, 1),
+                "blocks_alone_us": round(alone_us, 1),
+                "server_overhead_us": round(handler_us - alone_us, 1),
+                "runs_handler_us": [round(t * 1e6, 1) for t in handler_runs],
+                "runs_alone_us": [round(t * 1e6, 1) for t in alone_runs],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 A local swarm (loopback) of a random-weight Llama (hidden 256, 4 blocks) with every span replicated: servers
 `head` and `head2` hold 0:2, `tail` and `tail2` hold 2:4, and `bad` holds 2:4 with `--inject-fault corrupt`.
 
-1. Speed: `bad` is not armed; sessions route head -> tail (the fastest servers), the others check them. For each verify_rate
+1. Speed: `bad` is not armed; sessions route head -> tail (the fastest servers), the others check them. For each
+verify_rate
    in 0, 0.05, 0.1, 0.25 (interleaved, --runs times each, a fresh client per run), a session generates
    --new-tokens greedy tokens after a 16-token prompt; tokens/s = new tokens / wall time of `generate` (checks
    waited for at the end included). Medians and the slowdown against rate 0. Every check in these runs is between
@@ -91,10 +92,19 @@ def cpu_seconds(pgids: set[int]) -> float:
     return total / tick
 
 
-def run_once(path: str, peers: list[str], rate: float, seed: int, new_tokens: int, watch_peer: str | None = None,
-             trust: list[str] = (), pgids: set[int] = frozenset()) -> dict:
+def run_once(
+    path: str,
+    peers: list[str],
+    rate: float,
+    seed: int,
+    new_tokens: int,
+    watch_peer: str | None = None,
+    trust: list[str] = (),
+    pgids: set[int] = frozenset(),
+) -> dict:
     model = AutoDistributedModelForCausalLM.from_pretrained(
-        path, initial_peers=peers, client_config=ClientConfig(verify_rate=rate, verify_seed=seed))
+        path, initial_peers=peers, client_config=ClientConfig(verify_rate=rate, verify_seed=seed)
+    )
     try:
         checks = client_checks(model.transformer.manager)
         for peer in trust:
@@ -110,10 +120,17 @@ def run_once(path: str, peers: list[str], rate: float, seed: int, new_tokens: in
             cpu = cpu_seconds(pgids) - cpu
             rewinds = list(session.checks.rewinds) if session.checks is not None else []
         record = {peer: dict(rec) for peer, rec in model.reputation().items()}
-        return {"out": out, "seconds": elapsed, "tokens_per_s": new_tokens / elapsed, "cpu_ms_per_token": 1000 * cpu / new_tokens,
-                "reputation": record,
-                "checks": checks.checks_started, "rewinds": rewinds,
-                "step": None if watch is None else watch.step, "detect_s": None if watch is None else watch.at}
+        return {
+            "out": out,
+            "seconds": elapsed,
+            "tokens_per_s": new_tokens / elapsed,
+            "cpu_ms_per_token": 1000 * cpu / new_tokens,
+            "reputation": record,
+            "checks": checks.checks_started,
+            "rewinds": rewinds,
+            "step": None if watch is None else watch.step,
+            "detect_s": None if watch is None else watch.at,
+        }
     finally:
         model.shutdown()
 
@@ -127,19 +144,44 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "llama"
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+        config = LlamaConfig(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=1024,
+        )
         reference = LlamaForCausalLM(config).eval()
         reference.save_pretrained(path)
         expected = reference.generate(PROMPT, max_new_tokens=args.new_tokens, do_sample=False)
         os.environ["COROLLA_CACHE"] = str(Path(tmp) / "client-cache")  # the benchmark's reputation file
         with LocalSwarm(env={"COROLLA_CACHE": str(Path(tmp) / "cache")}) as local:
             peers = local.start_dht()
-            servers = {"head": ("0:2", "1000"), "head2": ("0:2", "10"), "tail": ("2:4", "1000"),
-                       "tail2": ("2:4", "1"), "bad": ("2:4", "10")}
-            procs = {name: local.start_server(str(path), ["--blocks", blocks, "--throughput", tp, *SERVER_ARGS,
-                                                          *(["--inject-fault", "corrupt"] if name == "bad" else [])],
-                                              name=name, wait=False) for name, (blocks, tp) in servers.items()}
+            servers = {
+                "head": ("0:2", "1000"),
+                "head2": ("0:2", "10"),
+                "tail": ("2:4", "1000"),
+                "tail2": ("2:4", "1"),
+                "bad": ("2:4", "10"),
+            }
+            procs = {
+                name: local.start_server(
+                    str(path),
+                    [
+                        "--blocks",
+                        blocks,
+                        "--throughput",
+                        tp,
+                        *SERVER_ARGS,
+                        *(["--inject-fault", "corrupt"] if name == "bad" else []),
+                    ],
+                    name=name,
+                    wait=False,
+                )
+                for name, (blocks, tp) in servers.items()
+            }
             for proc in procs.values():
                 local.wait_ready(proc)
             ids = {name: peer_id(proc.tail(200)) for name, proc in procs.items()}
@@ -152,17 +194,21 @@ def main() -> None:
             honest_checks = honest_failed = 0
             exact = True
             for run in range(args.runs):
-                order = RATES[run % len(RATES):] + RATES[: run % len(RATES)]  # rotate: no rate always runs first
+                order = RATES[run % len(RATES) :] + RATES[: run % len(RATES)]  # rotate: no rate always runs first
                 results = {}
                 for rate in order:
-                    results[rate] = result = run_once(str(path), peers, rate, seed=run, new_tokens=args.new_tokens, pgids=pgids)
+                    results[rate] = result = run_once(
+                        str(path), peers, rate, seed=run, new_tokens=args.new_tokens, pgids=pgids
+                    )
                     speed[rate].append(result["tokens_per_s"])
                     cpu[rate].append(result["cpu_ms_per_token"])
                     honest_checks += result["checks"]
                     honest_failed += sum(rec["failed"] for rec in result["reputation"].values())
                     exact &= bool(torch.equal(result["out"], expected))
-                    log(f"run {run} rate {rate}: {result['tokens_per_s']:.1f} tok/s, {result['cpu_ms_per_token']:.1f} "
-                        f"CPU ms/token, {result['checks']} checks")
+                    log(
+                        f"run {run} rate {rate}: {result['tokens_per_s']:.1f} tok/s, {result['cpu_ms_per_token']:.1f} "
+                        f"CPU ms/token, {result['checks']} checks"
+                    )
                 for rate in RATES:  # the same round's rate-0 run as the baseline: drifts in the machine's load cancel
                     ratio[rate].append(results[rate]["tokens_per_s"] / results[0.0]["tokens_per_s"])
 
@@ -172,34 +218,59 @@ def main() -> None:
             time.sleep(3.0)
             detection = []
             for seed in range(args.detection_runs):
-                result = run_once(str(path), peers, 0.1, seed=1000 + seed, new_tokens=args.new_tokens,
-                                  watch_peer=ids["bad"], trust=list(ids.values()))
-                detection.append({"seed": 1000 + seed, "step": result["step"], "seconds": result["detect_s"],
-                                  "rewinds": result["rewinds"], "equals_hf": bool(torch.equal(result["out"], expected))})
+                result = run_once(
+                    str(path),
+                    peers,
+                    0.1,
+                    seed=1000 + seed,
+                    new_tokens=args.new_tokens,
+                    watch_peer=ids["bad"],
+                    trust=list(ids.values()),
+                )
+                detection.append(
+                    {
+                        "seed": 1000 + seed,
+                        "step": result["step"],
+                        "seconds": result["detect_s"],
+                        "rewinds": result["rewinds"],
+                        "equals_hf": bool(torch.equal(result["out"], expected)),
+                    }
+                )
                 log(f"detection run {seed}: {detection[-1]}")
 
     base = statistics.median(speed[0.0])
     steps = [d["step"] for d in detection if d["step"] is not None]
     secs = [d["seconds"] for d in detection if d["seconds"] is not None]
-    print(json.dumps({
-        "swarm": "loopback, random Llama hidden 256 x 4 blocks, spans 0:2 and 2:4 each replicated, float32, 1 thread",
-        "new_tokens": args.new_tokens, "runs_per_rate": args.runs,
-        "tokens_per_s_median": {str(rate): round(statistics.median(v), 2) for rate, v in speed.items()},
-        "slowdown_vs_rate_0": {str(rate): round(1 - statistics.median(v) / base, 4) for rate, v in speed.items()},
-        "slowdown_paired_median": {str(rate): round(1 - statistics.median(v), 4) for rate, v in ratio.items()},
-        "cpu_ms_per_token_median": {str(rate): round(statistics.median(v), 2) for rate, v in cpu.items()},
-        "tokens_per_s_runs": {str(rate): [round(x, 2) for x in v] for rate, v in speed.items()},
-        "honest": {"checks": honest_checks, "false_positives": honest_failed, "outputs_equal_hf": exact},
-        "detection_at_rate_0.1": {
-            "runs": len(detection), "detected": len(steps),
-            "steps_median": statistics.median(steps) if steps else None, "steps_max": max(steps) if steps else None,
-            "steps": steps,
-            "seconds_median": round(statistics.median(secs), 3) if secs else None,
-            "seconds_max": round(max(secs), 3) if secs else None,
-            "outputs_equal_hf": sum(d["equals_hf"] for d in detection),
-        },
-        "detection_runs": detection,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "swarm": "loopback, random Llama hidden 256 x 4 blocks, spans 0:2 and 2:4 each replicated, float32, "
+                "1 thread",
+                "new_tokens": args.new_tokens,
+                "runs_per_rate": args.runs,
+                "tokens_per_s_median": {str(rate): round(statistics.median(v), 2) for rate, v in speed.items()},
+                "slowdown_vs_rate_0": {
+                    str(rate): round(1 - statistics.median(v) / base, 4) for rate, v in speed.items()
+                },
+                "slowdown_paired_median": {str(rate): round(1 - statistics.median(v), 4) for rate, v in ratio.items()},
+                "cpu_ms_per_token_median": {str(rate): round(statistics.median(v), 2) for rate, v in cpu.items()},
+                "tokens_per_s_runs": {str(rate): [round(x, 2) for x in v] for rate, v in speed.items()},
+                "honest": {"checks": honest_checks, "false_positives": honest_failed, "outputs_equal_hf": exact},
+                "detection_at_rate_0.1": {
+                    "runs": len(detection),
+                    "detected": len(steps),
+                    "steps_median": statistics.median(steps) if steps else None,
+                    "steps_max": max(steps) if steps else None,
+                    "steps": steps,
+                    "seconds_median": round(statistics.median(secs), 3) if secs else None,
+                    "seconds_max": round(max(secs), 3) if secs else None,
+                    "outputs_equal_hf": sum(d["equals_hf"] for d in detection),
+                },
+                "detection_runs": detection,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

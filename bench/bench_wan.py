@@ -79,12 +79,15 @@ def run_rtt(model: str, rtt_ms: float, args: argparse.Namespace, reference: list
             "join_p2p_and_dht_s": dht_join,  # of which: starting p2pd and joining the DHT (from the server's log)
         }
         for mode in args.modes:  # push: server to server; relay: the client relays every hop (Petals' structure)
-            client = Agent(net, "client", model, peers, config={"push": mode == "push"}, label=f"client-{mode}", log=log_file)
+            client = Agent(
+                net, "client", model, peers, config={"push": mode == "push"}, label=f"client-{mode}", log=log_file
+            )
             if not client.ready["ready"]:
                 raise RuntimeError(f"client did not start: {client.ready}")
             matches = client.generate(ids, args.new_tokens) == reference
-            timed = client.request("timed_decode", ids=ids.tolist(), new_tokens=args.new_tokens, repeats=args.repeats,
-                                   timeout=600)
+            timed = client.request(
+                "timed_decode", ids=ids.tolist(), new_tokens=args.new_tokens, repeats=args.repeats, timeout=600
+            )
             exchanges = timed.get("exchanges_per_token")
             client.proc.stop()
             if not timed["ok"]:
@@ -104,16 +107,33 @@ def run_rtt(model: str, rtt_ms: float, args: argparse.Namespace, reference: list
                 "greedy_matches_hf": matches,
             }
         if {"push", "relay"} <= set(args.modes):
-            result["push_speedup"] = round(result["relay"]["decode_ms_per_token"] / result["push"]["decode_ms_per_token"], 3)
+            result["push_speedup"] = round(
+                result["relay"]["decode_ms_per_token"] / result["push"]["decode_ms_per_token"], 3
+            )
         if args.speculative:
             result["speculative"] = run_speculative(net, model, peers, args)
-        if rtt_ms == args.rtts[-1] and args.restart:  # a server coming back: restart s0 with its (now existing) identity
+        if (
+            rtt_ms == args.rtts[-1] and args.restart
+        ):  # a server coming back: restart s0 with its (now existing) identity
             procs[0].stop()
-            again = start_server(net, "s0", model, peers, *SERVER_ARGS, "--blocks", spans(args.layers, args.servers)[0],
-                                 "--identity", str(identities / "s0.key"), label="s0-restarted", log=log_file, wait=False)
+            again = start_server(
+                net,
+                "s0",
+                model,
+                peers,
+                *SERVER_ARGS,
+                "--blocks",
+                spans(args.layers, args.servers)[0],
+                "--identity",
+                str(identities / "s0.key"),
+                label="s0-restarted",
+                log=log_file,
+                wait=False,
+            )
             result["join_with_identity_s"] = round(join_time(again), 3)
             result["join_with_identity_p2p_and_dht_s"] = float(
-                again.wait_for(r"joined the swarm as \S+ in ([\d.]+)s", 10).group(1))
+                again.wait_for(r"joined the swarm as \S+ in ([\d.]+)s", 10).group(1)
+            )
             # the import of torch/transformers/hivemind alone, for scale (the machine's load shows in both)
             begin = time.monotonic()
             net.run("s0", [sys.executable, "-c", "import corolla.server.server"], timeout=300)
@@ -124,9 +144,22 @@ def run_rtt(model: str, rtt_ms: float, args: argparse.Namespace, reference: list
 
 def run_speculative(net, model: str, peers: list[str], args: argparse.Namespace) -> dict:
     """bench_speculative.py on the client's host against this swarm (plain push/relay, prompt lookup, demo draft)."""
-    argv = [sys.executable, str(Path(__file__).with_name("bench_speculative.py")), "--initial-peers", *peers,
-            "--model", model, "--relay-baseline", "--prompts", "repetitive", "chat",
-            "--new-tokens", str(args.speculative_tokens), "--repeats", str(args.repeats)]
+    argv = [
+        sys.executable,
+        str(Path(__file__).with_name("bench_speculative.py")),
+        "--initial-peers",
+        *peers,
+        "--model",
+        model,
+        "--relay-baseline",
+        "--prompts",
+        "repetitive",
+        "chat",
+        "--new-tokens",
+        str(args.speculative_tokens),
+        "--repeats",
+        str(args.repeats),
+    ]
     done = net.run("client", argv, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"bench_speculative failed: {done.stderr[-3000:]}")
@@ -145,14 +178,25 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed sessions per round trip (median reported)")
     parser.add_argument("--rate-mbit", type=float, default=None, help="cap each host's link at this rate (Mbit/s)")
     parser.add_argument("--restart", action="store_true", help="also time a server restarting with its identity")
-    parser.add_argument("--modes", nargs="+", default=["push", "relay"], choices=("push", "relay"),
-                        help="push: servers send each step's output straight to the next server; relay: the client "
-                             "relays every hop")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["push", "relay"],
+        choices=("push", "relay"),
+        help="push: servers send each step's output straight to the next server; relay: the client relays every hop",
+    )
     parser.add_argument("--log", default=None, help="write every process's output to this file")
-    parser.add_argument("--model", choices=("tiny", "demo"), default="tiny",
-                        help="tiny: a random-weight Llama of --layers blocks; demo: the bundled demo model (6 blocks)")
-    parser.add_argument("--speculative", action="store_true",
-                        help="also speculative decoding vs relay (bench_speculative.py; needs --model demo)")
+    parser.add_argument(
+        "--model",
+        choices=("tiny", "demo"),
+        default="tiny",
+        help="tiny: a random-weight Llama of --layers blocks; demo: the bundled demo model (6 blocks)",
+    )
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="also speculative decoding vs relay (bench_speculative.py; needs --model demo)",
+    )
     parser.add_argument("--speculative-tokens", type=int, default=64, help="new tokens per speculative run")
     args = parser.parse_args()
     if args.speculative and args.model != "demo":
@@ -161,8 +205,10 @@ def main() -> int:
     if not usable:
         print(json.dumps({"error": f"emulated hosts unavailable: {why}"}))
         return 2
-    with tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp, \
-            open(args.log or Path(tmp) / "processes.log", "w") as log_file:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-wan-") as tmp,
+        open(args.log or Path(tmp) / "processes.log", "w") as log_file,
+    ):
         if args.model == "demo":
             model, args.layers = str(demo_model_path()), 6
         else:
@@ -177,13 +223,23 @@ def main() -> int:
         identities = Path(tmp) / "identities"
         identities.mkdir()
         results = [run_rtt(model, rtt, args, reference, ids, identities, log_file) for rtt in args.rtts]
-    print(json.dumps({
-        "servers": args.servers, "model": args.model, "layers": args.layers, "new_tokens": args.new_tokens,
-        "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "rate_mbit": args.rate_mbit,
-        "protocol": "push: client -> s0 -> s1 -> ... -> client (one crossing per hop plus one back); "
-                    "relay: the client relays every hop (one round trip per server)",
-        "results": results,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "servers": args.servers,
+                "model": args.model,
+                "layers": args.layers,
+                "new_tokens": args.new_tokens,
+                "prompt_tokens": args.prompt_tokens,
+                "repeats": args.repeats,
+                "rate_mbit": args.rate_mbit,
+                "protocol": "push: client -> s0 -> s1 -> ... -> client (one crossing per hop plus one back); "
+                "relay: the client relays every hop (one round trip per server)",
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -58,8 +58,12 @@ def main() -> None:
         LlamaForCausalLM(config).save_pretrained(path)
         with LocalSwarm(env={"COROLLA_CACHE": str(Path(tmp) / "cache")}) as local:
             local.start_dht()
-            procs = {name: local.start_server(str(path), ["--blocks", f"0:{args.layers}", "--announce-period", "5", *extra],
-                                              name=name, wait=False) for name, extra in CONFIGS.items()}
+            procs = {
+                name: local.start_server(
+                    str(path), ["--blocks", f"0:{args.layers}", "--announce-period", "5", *extra], name=name, wait=False
+                )
+                for name, extra in CONFIGS.items()
+            }
             for proc in procs.values():
                 local.wait_ready(proc)
             peers = {name: _peer_id(proc.tail(200)) for name, proc in procs.items()}
@@ -69,10 +73,14 @@ def main() -> None:
                 spread: dict[str, float] = {}
                 corrupt: dict[str, float] = {}
                 for draw in range(args.draws):
-                    ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(draw))
+                    ids = torch.randint(
+                        0, config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(draw)
+                    )
                     hidden = model.head.embed(ids).detach()
-                    outs = {name: run_sync(blocks.forward_span(Span(peer, 0, args.layers), hidden, None))
-                            for name, peer in peers.items()}
+                    outs = {
+                        name: run_sync(blocks.forward_span(Span(peer, 0, args.layers), hidden, None))
+                        for name, peer in peers.items()
+                    }
                     for a, b in itertools.combinations(CONFIGS, 2):
                         key = f"{a} vs {b}"
                         spread[key] = max(spread.get(key, 0.0), relative_error(outs[a], outs[b]))
@@ -81,9 +89,16 @@ def main() -> None:
                         corrupt[name] = min(corrupt.get(name, float("inf")), value)
             finally:
                 model.shutdown()
-    print(json.dumps({"model": {"hidden": args.hidden, "layers": args.layers, "tokens": args.tokens, "draws": args.draws},
-                      "honest_max_relative_error": spread,
-                      "corrupt_vs_f32_min_relative_error": corrupt}, indent=2))
+    print(
+        json.dumps(
+            {
+                "model": {"hidden": args.hidden, "layers": args.layers, "tokens": args.tokens, "draws": args.draws},
+                "honest_max_relative_error": spread,
+                "corrupt_vs_f32_min_relative_error": corrupt,
+            },
+            indent=2,
+        )
+    )
 
 
 def _peer_id(log: str) -> str:

@@ -34,7 +34,14 @@ from corolla.api.generation import Job
 from corolla.api.prompts import PromptBuilder, PromptError
 from corolla.api.responses import ResponseFormat
 from corolla.api.sampling import SamplingParams
-from corolla.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions, TextPart, SharedFields
+from corolla.api.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    StreamOptions,
+    TextPart,
+    SharedFields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +76,17 @@ class _Api:
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
-                           "invalid_request_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
 
-    def max_tokens(self, prompt_len: int, requested: int | None, default: int | None, field: str, prompt_field: str) -> int:
+    def max_tokens(
+        self, prompt_len: int, requested: int | None, default: int | None, field: str, prompt_field: str
+    ) -> int:
         """The completion budget of a prompt: the request's, else the default, else the rest of the context."""
         if prompt_len == 0:
             raise ApiError.bad_request("the prompt is empty", prompt_field)
@@ -80,14 +94,18 @@ class _Api:
         if room <= 0:
             raise ApiError.bad_request(
                 f"This model's maximum context length is {self.max_length} tokens; the prompt has {prompt_len} tokens",
-                prompt_field, "context_length_exceeded")
+                prompt_field,
+                "context_length_exceeded",
+            )
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:
             raise ApiError.bad_request(
                 f"This model's maximum context length is {self.max_length} tokens. However, you requested "
                 f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion)",
-                field, "context_length_exceeded")
+                field,
+                "context_length_exceeded",
+            )
         return requested
 
     def sampling(self, body: SharedFields, max_tokens: int, stops: list[str], logprobs: int | None) -> SamplingParams:
@@ -99,16 +117,27 @@ class _Api:
         for key, value in (body.logit_bias or {}).items():
             token = int(key)  # schemas.py: at most 10 ASCII digits
             if not 0 <= token < self.token_limit:
-                raise ApiError.bad_request(f"logit_bias: token id {token} is not in [0, {self.token_limit})", "logit_bias")
+                raise ApiError.bad_request(
+                    f"logit_bias: token id {token} is not in [0, {self.token_limit})", "logit_bias"
+                )
             bias.append((token, float(value)))
         top_k = int(pick("top_k", 0))
         top_k = 0 if top_k < 0 or top_k >= self.vocab_size else top_k  # past the vocabulary: every token, i.e. off
         return SamplingParams(
-            max_tokens=max_tokens, temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)),
-            top_k=top_k, min_p=float(pick("min_p", 0.0)),
-            repetition_penalty=float(pick("repetition_penalty", 1.0)), presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, logit_bias=tuple(bias), seed=body.seed, stop=tuple(stops),
-            stop_token_ids=self.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)),
+            top_k=top_k,
+            min_p=float(pick("min_p", 0.0)),
+            repetition_penalty=float(pick("repetition_penalty", 1.0)),
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=tuple(bias),
+            seed=body.seed,
+            stop=tuple(stops),
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
         )
 
     def check_counts(self, body: SharedFields, prompts: int) -> None:
@@ -133,12 +162,17 @@ class _Api:
             if len(ids) >= self.max_length:
                 raise ApiError.bad_request(
                     f"This model's maximum context length is {self.max_length} tokens; prompt {i} has {len(ids)} "
-                    "tokens", "prompt", "context_length_exceeded")
+                    "tokens",
+                    "prompt",
+                    "context_length_exceeded",
+                )
             if any(not 0 <= t < self.token_limit for t in ids):
                 raise ApiError.bad_request(f"prompt {i} holds token ids outside [0, {self.token_limit})", "prompt")
             prompts.append(ids)
-        budgets = [self.max_tokens(len(ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens", "prompt")
-                   for ids in prompts]
+        budgets = [
+            self.max_tokens(len(ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens", "prompt")
+            for ids in prompts
+        ]
         echo = None
         if body.echo:
             echo = [p if isinstance(p, str) else self.prompts.decode(p) for p in body.prompts()]
@@ -183,8 +217,14 @@ def build_app(engine: BatchedEngine, config: ApiConfig, keys: ApiKeys | None = N
     def refused(path: str, status: int) -> None:
         api.metrics.requests.labels(endpoint_label(path), str(status)).inc()
 
-    app.add_middleware(RequestGate, hosts=AllowedHosts(config.host, config.allowed_hosts), keys=keys,
-                       max_body_bytes=config.max_body_bytes, on_refusal=refused, public_metrics=config.public_metrics)
+    app.add_middleware(
+        RequestGate,
+        hosts=AllowedHosts(config.host, config.allowed_hosts),
+        keys=keys,
+        max_body_bytes=config.max_body_bytes,
+        on_refusal=refused,
+        public_metrics=config.public_metrics,
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -208,7 +248,9 @@ def build_app(engine: BatchedEngine, config: ApiConfig, keys: ApiKeys | None = N
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = engine.running
-        return JSONResponse({"status": "ok" if ok else "stopped", "model": api.model_name}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "stopped", "model": api.model_name}, status_code=200 if ok else 503
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -260,8 +302,11 @@ def _validation_error(error: RequestValidationError) -> ApiError:
     return ApiError.bad_request(message, param or None)
 
 
-_FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
-                    for name in model.model_fields)
+_FIELDS = frozenset(
+    name
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
+    for name in model.model_fields
+)
 
 
 def _param_name(loc: list[Any]) -> str:

@@ -43,10 +43,15 @@ class SwarmCapacity:
         """Free cache tokens of every ONLINE server of the model that answers, by peer id."""
         await self.manager.update()
         servers = self.manager.block_servers
-        peers = sorted({peer for by_peer in servers for peer, info in by_peer.items() if info.state == ServerState.ONLINE})
-        replies = await asyncio.gather(*(request_info(self.manager.node.p2p, peer, self.timeout) for peer in peers),
-                                       return_exceptions=True)
-        free = {peer: reply.info.cache_tokens_free for peer, reply in zip(peers, replies) if isinstance(reply, InfoReply)}
+        peers = sorted(
+            {peer for by_peer in servers for peer, info in by_peer.items() if info.state == ServerState.ONLINE}
+        )
+        replies = await asyncio.gather(
+            *(request_info(self.manager.node.p2p, peer, self.timeout) for peer in peers), return_exceptions=True
+        )
+        free = {
+            peer: reply.info.cache_tokens_free for peer, reply in zip(peers, replies) if isinstance(reply, InfoReply)
+        }
         logger.debug("capacity.free %s", free)
         return free
 

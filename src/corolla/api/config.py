@@ -11,32 +11,46 @@ def _opt(help: str, **kw: object) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class ApiConfig:
-    model: str = field(metadata=_opt("HF repo id or local directory of the checkpoint (its tokenizer and head are loaded)",
-                                     positional=True))
+    model: str = field(
+        metadata=_opt(
+            "HF repo id or local directory of the checkpoint (its tokenizer and head are loaded)", positional=True
+        )
+    )
     initial_peers: tuple[str, ...] = field(
-        default=(), metadata=_opt("multiaddrs of DHT peers of the swarm (/ip4/HOST/tcp/PORT/p2p/PEERID); required", nargs="+")
+        default=(),
+        metadata=_opt("multiaddrs of DHT peers of the swarm (/ip4/HOST/tcp/PORT/p2p/PEERID); required", nargs="+"),
     )
     swarm_key: str | None = field(
         default=None, metadata=_opt("private swarm: the swarm key file (`corolla swarm-key PATH`)")
     )
     host: str = field(default="127.0.0.1", metadata=_opt("address the HTTP server listens on"))
-    port: int = field(default=8000, metadata=_opt("TCP port of the HTTP server; 0 = chosen by the OS (the log shows it)"))
-    model_name: str | None = field(default=None, metadata=_opt("the model id clients ask for (default: the MODEL argument)"))
+    port: int = field(
+        default=8000, metadata=_opt("TCP port of the HTTP server; 0 = chosen by the OS (the log shows it)")
+    )
+    model_name: str | None = field(
+        default=None, metadata=_opt("the model id clients ask for (default: the MODEL argument)")
+    )
     dht_prefix: str | None = field(default=None, metadata=_opt("DHT namespace of the model (default: its name)"))
-    dtype: str = field(default="float32", metadata=_opt("dtype of the local embeddings and LM head",
-                                                         choices=("float32", "bfloat16", "float16")))
+    dtype: str = field(
+        default="float32",
+        metadata=_opt("dtype of the local embeddings and LM head", choices=("float32", "bfloat16", "float16")),
+    )
     chat_template: str | None = field(
         default=None, metadata=_opt("a Jinja chat template file to use instead of the tokenizer's")
     )
     max_length: int | None = field(
         default=None,
-        metadata=_opt("tokens one request may span, prompt and completion (default: the model's "
-                      "max_position_embeddings, at most 8192)"),
+        metadata=_opt(
+            "tokens one request may span, prompt and completion (default: the model's "
+            "max_position_embeddings, at most 8192)"
+        ),
     )
     session_headroom: int = field(
         default=256,
-        metadata=_opt("tokens a new session reserves on the servers beyond prompt + max_tokens, so a follow-up turn "
-                      "can continue it (dropped when the servers are full)"),
+        metadata=_opt(
+            "tokens a new session reserves on the servers beyond prompt + max_tokens, so a follow-up turn "
+            "can continue it (dropped when the servers are full)"
+        ),
     )
     max_idle_sessions: int = field(
         default=8, metadata=_opt("finished sessions kept open for prefix reuse; 0 = close every session at once")
@@ -50,24 +64,32 @@ class ApiConfig:
     )
     pipeline_groups: int = field(
         default=1,
-        metadata=_opt("streams are split into this many groups that step in turn, so that while one group's step "
-                      "runs on the later servers of the route the next group's runs on the first ones; 1 = one "
-                      "batch (2 measured 0.91x of it on one 2-core machine, where the servers share the cores)"),
+        metadata=_opt(
+            "streams are split into this many groups that step in turn, so that while one group's step "
+            "runs on the later servers of the route the next group's runs on the first ones; 1 = one "
+            "batch (2 measured 0.91x of it on one 2-core machine, where the servers share the cores)"
+        ),
     )
     max_n: int = field(default=16, metadata=_opt("largest `n` (choices per prompt) a request may ask for"))
     request_timeout: float = field(default=60.0, metadata=_opt("seconds one step through the swarm may take"))
-    compression: str = field(default="none", metadata=_opt(
-        "how hidden states travel through the swarm: none (exact), bf16, fp16, int8, 4bit (protocol.codecs)",
-        choices=("none", "bf16", "fp16", "int8", "4bit")))
+    compression: str = field(
+        default="none",
+        metadata=_opt(
+            "how hidden states travel through the swarm: none (exact), bf16, fp16, int8, 4bit (protocol.codecs)",
+            choices=("none", "bf16", "fp16", "int8", "4bit"),
+        ),
+    )
     alloc_timeout: float = field(
         default=10.0, metadata=_opt("seconds a new session may wait in a full server's allocation queue")
     )
     num_threads: int | None = field(default=None, metadata=_opt("torch CPU threads (default: torch's choice)"))
     api_keys: str | None = field(
         default=None,
-        metadata=_opt("file of API keys, one per line (blank lines and # comments ignored): every request then needs "
-                      "`Authorization: Bearer KEY`, and kept sessions, prefix reuse and stream quotas are per key; "
-                      "without it there is no auth and the server listens on loopback addresses only"),
+        metadata=_opt(
+            "file of API keys, one per line (blank lines and # comments ignored): every request then needs "
+            "`Authorization: Bearer KEY`, and kept sessions, prefix reuse and stream quotas are per key; "
+            "without it there is no auth and the server listens on loopback addresses only"
+        ),
     )
     insecure_no_auth: bool = field(
         default=False,
@@ -75,21 +97,28 @@ class ApiConfig:
     )
     allowed_hosts: tuple[str, ...] = field(
         default=(),
-        metadata=_opt("Host header names accepted besides localhost names, the --host address and the address a "
-                      "connection arrived on (DNS-rebinding protection); '*' accepts any", nargs="+"),
+        metadata=_opt(
+            "Host header names accepted besides localhost names, the --host address and the address a "
+            "connection arrived on (DNS-rebinding protection); '*' accepts any",
+            nargs="+",
+        ),
     )
     public_metrics: bool = field(
         default=False,
-        metadata=_opt("with --api-keys, serve /metrics (server-wide counts: every key's requests, tokens and kept "
-                      "sessions) to any key's holder; by default only to clients on a loopback address"),
+        metadata=_opt(
+            "with --api-keys, serve /metrics (server-wide counts: every key's requests, tokens and kept "
+            "sessions) to any key's holder; by default only to clients on a loopback address"
+        ),
     )
     max_body_bytes: int = field(
         default=4 * 1024 * 1024, metadata=_opt("bytes of a request body; larger bodies get 413 before being read")
     )
     max_streams_per_key: int = field(
         default=64,
-        metadata=_opt("streams (n choices count each) one API key may have generating or waiting at once; more get "
-                      "429 (only with --api-keys)"),
+        metadata=_opt(
+            "streams (n choices count each) one API key may have generating or waiting at once; more get "
+            "429 (only with --api-keys)"
+        ),
     )
 
     def __post_init__(self) -> None:

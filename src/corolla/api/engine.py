@@ -151,7 +151,8 @@ class BatchedEngine:
         if self._closing:
             raise EngineClosed("the API is shutting down")
         handle = StreamHandle(self.cancel, asyncio.get_running_loop())
-        stream = GenerationStream(prompt_ids, params, self.tokenizer, self.vocab_size, make_generator(params.seed, index))
+        stream = GenerationStream(prompt_ids, params, self.tokenizer, self.vocab_size,
+                                  make_generator(params.seed, index))
         self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
         active = _Active(handle, stream, owner=owner, counted=counted)
         self._loop.call_soon_threadsafe(self._admit, active)
@@ -334,8 +335,11 @@ class BatchedEngine:
             assert active.session is not None
             output = await active.session.step_async(embed)  # (1, 1, H)
             took = time.monotonic() - active.launched
-            self._step_time = took if self._step_time is None else (
-                (1 - STEP_TIME_SMOOTHING) * self._step_time + STEP_TIME_SMOOTHING * took)
+            self._step_time = (
+                took
+                if self._step_time is None
+                else ((1 - STEP_TIME_SMOOTHING) * self._step_time + STEP_TIME_SMOOTHING * took)
+            )
             self.metrics.tokens_sent.inc(1)
             active.hidden = output[0, -1]
         except asyncio.CancelledError:
@@ -364,7 +368,9 @@ class BatchedEngine:
             for a in ready:
                 a.hidden, a.task = None, None
             try:
-                results = await self._loop.run_in_executor(self._head, self.head_pass, [a.stream for a in ready], hidden)
+                results = await self._loop.run_in_executor(
+                    self._head, self.head_pass, [a.stream for a in ready], hidden
+                )
             except Exception as e:  # a bug outside the per-row retries: fail these streams, not the engine
                 logger.exception("head pass failed")
                 for a in ready:
@@ -405,9 +411,15 @@ class BatchedEngine:
             return
         now = time.monotonic()
         patience = max(OVERDUE * self._step_time, MIN_PATIENCE)
-        pending = {a.task: a.launched for a in self._active.values()
-                   if a.group == group and a.decoding and a.task is not None and not a.task.done()
-                   and now - a.launched < patience}
+        pending = {
+            a.task: a.launched
+            for a in self._active.values()
+            if a.group == group
+            and a.decoding
+            and a.task is not None
+            and not a.task.done()
+            and now - a.launched < patience
+        }
         if pending:
             deadline = max(pending.values()) + patience
             await asyncio.wait(pending, timeout=min(max(deadline - now, 0.0), MAX_GATHER_WAIT))

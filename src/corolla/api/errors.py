@@ -46,13 +46,17 @@ def from_exception(error: BaseException) -> ApiError:
     if isinstance(error, ApiError):
         return error
     if isinstance(error, MissingBlocks):
-        return ApiError(503, f"the swarm cannot serve this model now: {error}", "service_unavailable", None, "missing_blocks")
+        return ApiError(
+            503, f"the swarm cannot serve this model now: {error}", "service_unavailable", None, "missing_blocks"
+        )
     if isinstance(error, AllocationFailed):
         return ApiError(503, f"the servers are full: {error}", "service_unavailable", None, "server_full")
     if isinstance(error, RemoteError) and error.code == "bad_request":
         return ApiError(400, f"a server refused the request: {error}", "invalid_request_error", None, "server_refused")
     if isinstance(error, (PeerUnavailable, RemoteError, SessionExpired)):
-        return ApiError(503, f"the swarm failed to serve the request: {error}", "service_unavailable", None, "swarm_error")
+        return ApiError(
+            503, f"the swarm failed to serve the request: {error}", "service_unavailable", None, "swarm_error"
+        )
     if isinstance(error, TooManyStreams):
         return ApiError(429, str(error), "requests", None, "rate_limit_exceeded")
     if isinstance(error, EngineClosed):

@@ -75,7 +75,9 @@ async def run(engine: BatchedEngine, metrics: ApiMetrics, request: Request, fmt:
         metrics.requests.labels(job.endpoint, "200").inc()
         return EventSourceResponse(_events(fmt, job, handles, firsts), ping=SSE_PING, sep="\n")
     try:
-        results = await _watch(request, asyncio.gather(*(_collect(i, h, e) for i, (h, e) in enumerate(zip(handles, firsts)))))
+        results = await _watch(
+            request, asyncio.gather(*(_collect(i, h, e) for i, (h, e) in enumerate(zip(handles, firsts))))
+        )
     except ClientGone:
         return _gone(handles, metrics, job.endpoint)
     except BaseException:
@@ -112,8 +114,9 @@ async def _collect(index: int, handle: StreamHandle, first: StreamEvent) -> Choi
         event = await handle.next()
 
 
-async def _events(fmt: ResponseFormat, job: Job, handles: list[StreamHandle],
-                  firsts: list[StreamEvent]) -> AsyncIterator[dict[str, Any]]:
+async def _events(
+    fmt: ResponseFormat, job: Job, handles: list[StreamHandle], firsts: list[StreamEvent]
+) -> AsyncIterator[dict[str, Any]]:
     """The SSE stream: opening chunks, then each choice's events as they come, the usage chunk, [DONE]."""
     queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
     readers: list[asyncio.Task[None]] = []
@@ -142,7 +145,9 @@ async def _events(fmt: ResponseFormat, job: Job, handles: list[StreamHandle],
                 remaining -= 1
                 usages[index] = event.usage
             if event.text or event.logprobs or event.finish_reason is not None:
-                chunk = fmt.chunk(index, event.text, event.logprobs, event.finish_reason, include_usage=job.include_usage)
+                chunk = fmt.chunk(
+                    index, event.text, event.logprobs, event.finish_reason, include_usage=job.include_usage
+                )
                 yield {"data": _json(chunk)}
         else:
             if job.include_usage:

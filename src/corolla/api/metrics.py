@@ -44,14 +44,24 @@ class ApiMetrics:
         self.reused_tokens = Counter(
             "corolla_api_reused_tokens", "prompt tokens kept sessions already held (not sent again)", registry=r)
         self.idle_sessions_closed = Counter(
-            "corolla_api_idle_sessions_closed", "kept sessions given up, by reason (expired, count, server_full, shutdown)",
-            ["reason"], registry=r)
+            "corolla_api_idle_sessions_closed",
+            "kept sessions given up, by reason (expired, count, server_full, shutdown)",
+            ["reason"],
+            registry=r,
+        )
         self.active_streams = Gauge("corolla_api_active_streams", "choices being generated now", registry=r)
         self.idle_sessions = Gauge("corolla_api_idle_sessions", "finished sessions kept for prefix reuse", registry=r)
         self.tokens_per_second = Gauge(
-            "corolla_api_tokens_per_second", f"tokens generated per second over the last {RATE_WINDOW:.0f} s", registry=r)
-        self.batch_rows = Histogram("corolla_api_batch_rows", "streams in one LM-head and sampling pass", registry=r,
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+            "corolla_api_tokens_per_second",
+            f"tokens generated per second over the last {RATE_WINDOW:.0f} s",
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            "corolla_api_batch_rows",
+            "streams in one LM-head and sampling pass",
+            registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()  # (monotonic time, tokens) of recent engine steps
 

@@ -65,7 +65,9 @@ class ResponseFormat:
         body = self._envelope(chunk=True)
         lp = self._logprobs(index, logprobs) if self.wants_logprobs and (logprobs or not self.chat) else None
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            )
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
@@ -115,7 +117,9 @@ class ResponseFormat:
     def _chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
         token = self.prompts.token_text(lp.token_id)
         return {
-            "token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8")),
+            "token": token,
+            "logprob": lp.logprob,
+            "bytes": list(token.encode("utf-8")),
             "top_logprobs": [
                 {"token": (t := self.prompts.token_text(i)), "logprob": v, "bytes": list(t.encode("utf-8"))}
                 for i, v in lp.top

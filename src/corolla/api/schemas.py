@@ -109,7 +109,9 @@ PromptIds = Annotated[list[int], Field(min_length=1)]
 
 
 class CompletionRequest(SharedFields):
-    prompt: str | PromptIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[PromptIds], Field(min_length=1)]
+    prompt: (
+        str | PromptIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[PromptIds], Field(min_length=1)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -122,7 +124,9 @@ class CompletionRequest(SharedFields):
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError.bad_request("only best_of equal to n is supported", "best_of")
         if self.echo and self.logprobs is not None:
-            raise ApiError.bad_request("echo together with logprobs (prompt log-probabilities) is not supported", "echo")
+            raise ApiError.bad_request(
+                "echo together with logprobs (prompt log-probabilities) is not supported", "echo"
+            )
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or token ids."""
@@ -153,8 +157,9 @@ class ChatCompletionRequest(SharedFields):
             raise ApiError.bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
         for i, message in enumerate(self.messages):
             if message.role in ("user", "system", "developer") and message.content is None:
-                raise ApiError.bad_request(f"messages[{i}].content is required for role {message.role}",
-                                           f"messages[{i}].content")
+                raise ApiError.bad_request(
+                    f"messages[{i}].content is required for role {message.role}", f"messages[{i}].content"
+                )
 
     def completion_limit(self) -> int | None:
         """max_completion_tokens, else max_tokens (deprecated by OpenAI, still widely sent)."""

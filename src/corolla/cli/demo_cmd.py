@@ -61,18 +61,27 @@ def run(args: argparse.Namespace) -> int:
     with LocalSwarm() as swarm:
         peers = swarm.start_dht()
         print(f"DHT bootstrap peer: {peers[0]}", file=sys.stderr)
-        procs = [swarm.start_server(model_path, ["--blocks", f"{a}:{b}", "--num-threads", "1"], name=f"server{i}", wait=False)
-                 for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        procs = [
+            swarm.start_server(
+                model_path, ["--blocks", f"{a}:{b}", "--num-threads", "1"], name=f"server{i}", wait=False
+            )
+            for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+        ]
         for proc, a, b in zip(procs, bounds, bounds[1:]):
             swarm.wait_ready(proc)
             print(f"server {proc.name} (pid {proc.pid}) serves blocks {a}:{b}", file=sys.stderr)
-        print(f"swarm ready in {time.perf_counter() - begin:.1f}s; generating through {servers} server(s)\n", file=sys.stderr)
+        print(
+            f"swarm ready in {time.perf_counter() - begin:.1f}s; generating through {servers} server(s)\n",
+            file=sys.stderr,
+        )
 
         # one torch thread, as each server: on a small machine the processes' OpenMP pools would fight over the
         # cores (the draft model's small matmuls suffer most: 4x slower with 2 threads on 2 busy cores, measured)
         torch.set_num_threads(1)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=peers, torch_dtype=torch.float32)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            model_path, initial_peers=peers, torch_dtype=torch.float32
+        )
         try:
             torch.manual_seed(args.seed)
             input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
@@ -82,20 +91,30 @@ def run(args: argparse.Namespace) -> int:
             if args.speculative:
                 draft = demo_draft_path() if args.model is None else None
                 if draft is None:
-                    raise SystemExit("corolla demo: --speculative uses the embedded model's draft; with --model, use "
-                                     "--prompt-lookup or `corolla generate --assistant-model`")
+                    raise SystemExit(
+                        "corolla demo: --speculative uses the embedded model's draft; with --model, use "
+                        "--prompt-lookup or `corolla generate --assistant-model`"
+                    )
                 sampling["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
             if args.prompt_lookup is not None:
                 sampling["prompt_lookup_num_tokens"] = args.prompt_lookup
             with model.inference_session(max_length=input_ids.shape[1] + args.max_new_tokens) as session:
                 start = time.perf_counter()
-                out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, session=session,
-                                     streamer=TextStreamer(tokenizer, skip_special_tokens=True), **sampling)
+                out = model.generate(
+                    input_ids,
+                    max_new_tokens=args.max_new_tokens,
+                    session=session,
+                    streamer=TextStreamer(tokenizer, skip_special_tokens=True),
+                    **sampling,
+                )
                 elapsed = time.perf_counter() - start
             new = out.shape[1] - input_ids.shape[1]
-            print(f"\n\n{new} tokens in {elapsed:.2f}s ({1000 * elapsed / max(new, 1):.1f} ms/token, {session.steps} round "
-                  f"trips to the swarm) through {servers} server(s)", file=sys.stderr)
+            print(
+                f"\n\n{new} tokens in {elapsed:.2f}s ({1000 * elapsed / max(new, 1):.1f} ms/token, "
+                f"{session.steps} round "
+                f"trips to the swarm) through {servers} server(s)",
+                file=sys.stderr,
+            )
         finally:
             model.shutdown()
     return 0
-

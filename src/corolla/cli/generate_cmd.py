@@ -19,10 +19,19 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", default="none", choices=CODECS,
                    help="how hidden states travel through the swarm: none (exact, default), bf16, fp16, int8, 4bit "
                         "(smaller: faster long prompts over slow links, less exact)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"tokens to generate (default: {DEFAULT_MAX_NEW_TOKENS})",
+    )
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's, else 1.0)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: the model's, else 50)")
+    p.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature (default: the model's, else 1.0)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k most likely tokens (default: the model's, else 50)"
+    )
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's, else 1.0)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="penalty for repeated tokens (default: 1.0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
@@ -30,19 +39,36 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--assistant-model", default=None, metavar="PATH",
-                   help="speculative decoding: a small local model with the same tokenizer drafts tokens that the swarm "
-                        "verifies several at a time (greedy output is unchanged); 'demo' = the draft shipped for the demo "
-                        "model")
-    p.add_argument("--num-assistant-tokens", type=int, default=None,
-                   help="most tokens the assistant drafts per step (default: its generation_config's, else 20)")
-    p.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
-                   help="speculative decoding without a model: draft up to N tokens copied from where the text's last "
-                        "words appeared before (HF's prompt_lookup_num_tokens)")
+    p.add_argument(
+        "--assistant-model",
+        default=None,
+        metavar="PATH",
+        help="speculative decoding: a small local model with the same tokenizer drafts tokens that the swarm "
+        "verifies several at a time (greedy output is unchanged); 'demo' = the draft shipped for the demo "
+        "model",
+    )
+    p.add_argument(
+        "--num-assistant-tokens",
+        type=int,
+        default=None,
+        help="most tokens the assistant drafts per step (default: its generation_config's, else 20)",
+    )
+    p.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speculative decoding without a model: draft up to N tokens copied from where the text's last "
+        "words appeared before (HF's prompt_lookup_num_tokens)",
+    )
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("generate", help="generate text from a prompt through the swarm",
-                              description="Generate a continuation of PROMPT through a running swarm, streamed to stdout.")
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text from a prompt through the swarm",
+        description="Generate a continuation of PROMPT through a running swarm, streamed to stdout.",
+    )
     add_client_arguments(p)
     p.add_argument("prompt", help="the text to continue")
     p.set_defaults(func=run)
@@ -82,8 +108,13 @@ def load_client(args: argparse.Namespace):
     if args.seed is not None:
         torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoDistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix,
-                                                     swarm_key=args.swarm_key, compression=args.compression)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        args.model,
+        initial_peers=args.initial_peers,
+        dht_prefix=args.dht_prefix,
+        swarm_key=args.swarm_key,
+        compression=args.compression,
+    )
     return tokenizer, model
 
 

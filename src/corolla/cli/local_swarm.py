@@ -77,7 +77,9 @@ class LocalProcess:
 class LocalSwarm:
     """A DHT bootstrap peer plus any number of servers, each a `corolla` subprocess."""
 
-    def __init__(self, python: str = sys.executable, env: dict[str, str] | None = None, log_file: IO[str] | None = None):
+    def __init__(
+        self, python: str = sys.executable, env: dict[str, str] | None = None, log_file: IO[str] | None = None
+    ):
         self.python = python
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.log_file = log_file
@@ -98,8 +100,15 @@ class LocalSwarm:
             time.sleep(0.05)
         raise RuntimeError(f"DHT peer did not start:\n{proc.tail()}")
 
-    def start_server(self, model: str, args: Sequence[str] = (), name: str | None = None, wait: bool = True,
-                     timeout: float = 180.0, verbose: bool = False) -> LocalProcess:
+    def start_server(
+        self,
+        model: str,
+        args: Sequence[str] = (),
+        name: str | None = None,
+        wait: bool = True,
+        timeout: float = 180.0,
+        verbose: bool = False,
+    ) -> LocalProcess:
         """Start `corolla serve MODEL --initial-peers ... ARGS` (`corolla -v serve`, DEBUG logs, with `verbose`); with
         wait, block until it is ready (its JSON ready record)."""
         if not self.initial_peers:
@@ -118,7 +127,9 @@ class LocalSwarm:
                 proc.ready.wait(1.0)  # its last lines may still be in the pipe
                 if proc.ready.is_set():
                     return
-                raise RuntimeError(f"{proc.name} exited (code {proc.popen.returncode}) before it was ready:\n{proc.tail()}")
+                raise RuntimeError(
+                    f"{proc.name} exited (code {proc.popen.returncode}) before it was ready:\n{proc.tail()}"
+                )
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"{proc.name} did not become ready in {timeout:.0f}s:\n{proc.tail()}")
 
@@ -167,8 +178,12 @@ class LocalSwarm:
         """`corolla ARGV` in a new session (its own process group), stdout and stderr together as text."""
         return subprocess.Popen(
             [self.python, "-m", "corolla.cli.main", *argv],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            text=True, env=self.env, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=self.env,
+            start_new_session=True,
         )
 
     def _pump(self, proc: LocalProcess) -> None:

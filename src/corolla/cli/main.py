@@ -12,10 +12,23 @@ from corolla.cli.common import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="corolla", description="Run large language models across a swarm of machines.")
+    parser = argparse.ArgumentParser(
+        prog="corolla", description="Run large language models across a swarm of machines."
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logging")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    commands = (demo_cmd, dht_cmd, serve_cmd, generate_cmd, chat_cmd, status_cmd, api_cmd, monitor_cmd, models_cmd, swarm_key_cmd)
+    commands = (
+        demo_cmd,
+        dht_cmd,
+        serve_cmd,
+        generate_cmd,
+        chat_cmd,
+        status_cmd,
+        api_cmd,
+        monitor_cmd,
+        models_cmd,
+        swarm_key_cmd,
+    )
     for module in commands:
         module.add_parser(subparsers)
     return parser

@@ -53,7 +53,9 @@ async def serve_monitor(config: MonitorConfig, stop: asyncio.Event) -> int:
         except Exception as e:
             logger.warning("first swarm refresh failed (retrying every %.0fs): %r", config.refresh_period, e)
         refresher = asyncio.create_task(monitor.run())
-        server = uvicorn.Server(uvicorn.Config(create_monitor_app(monitor), log_config=None, log_level="warning", lifespan="off"))
+        server = uvicorn.Server(
+            uvicorn.Config(create_monitor_app(monitor), log_config=None, log_level="warning", lifespan="off")
+        )
         # uvicorn would take SIGINT/SIGTERM over while serving; this process stops through `stop` instead, so the
         # DHT node and its p2pd are always shut down below
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
@@ -77,7 +79,3 @@ async def serve_monitor(config: MonitorConfig, stop: asyncio.Event) -> int:
             await asyncio.gather(refresher, return_exceptions=True)
         await node.shutdown()
         listener.close()
-
-
-
-

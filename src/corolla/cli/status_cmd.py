@@ -57,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
             _print_model(view)
         return 0
     if args.json:
-        print(json.dumps({**state.model_dump(mode="json", exclude={"history"}), "client_reputation": _reputation()}, indent=2))
+        print(
+            json.dumps(
+                {**state.model_dump(mode="json", exclude={"history"}), "client_reputation": _reputation()}, indent=2
+            )
+        )
         return 0
     if not state.models:
         print("no model is announced in this swarm")
@@ -73,15 +77,23 @@ def _reputation() -> dict[str, dict[str, object]]:
 def _print_model(view: ModelView) -> None:
     reputation = load_reputation()
     health = "healthy" if view.healthy else "missing blocks " + ", ".join(view.missing_ranges)
-    print(f"model {view.dht_prefix}: {view.num_blocks} blocks, {view.servers_online}/{len(view.servers)} server(s) online, {health}")
+    print(
+        f"model {view.dht_prefix}: {view.num_blocks} blocks, {view.servers_online}/{len(view.servers)} server(s) "
+        f"online, {health}"
+    )
     if view.uncovered_blocks:
         print(f"blocks with no online server: {view.uncovered_blocks}")
     for s in view.servers:
         rtt = "-" if s.rtt_ms is None else f"{s.rtt_ms:.1f} ms"
         rec = reputation.get(s.peer_id)
-        checks = "" if rec is None else f"  checks {rec.passed}/{rec.failed}" + ("  DISTRUSTED" if rec.distrusted else "")
-        print(f"  {s.peer_id}  blocks {s.start_block}:{s.end_block}  {s.state:<11} {s.throughput:.1f} tok/s  "
-              f"cache {s.cache_tokens_free}/{s.cache_tokens_total}  {s.torch_dtype}  quant {s.quant}  v{s.version}  rtt {rtt}{checks}")
+        checks = (
+            "" if rec is None else f"  checks {rec.passed}/{rec.failed}" + ("  DISTRUSTED" if rec.distrusted else "")
+        )
+        print(
+            f"  {s.peer_id}  blocks {s.start_block}:{s.end_block}  {s.state:<11} {s.throughput:.1f} tok/s  "
+            f"cache {s.cache_tokens_free}/{s.cache_tokens_total}  {s.torch_dtype}  quant {s.quant}  v{s.version}  "
+            f"rtt {rtt}{checks}"
+        )
 
 
 def _model_blocks(model: str | None) -> int | None:
@@ -97,7 +109,9 @@ def _model_blocks(model: str | None) -> int | None:
         return None
 
 
-async def _collect(initial_peers: list[str], models: dict[str, int | None] | None, swarm_key_path: str | None = None) -> SwarmState:
+async def _collect(
+    initial_peers: list[str], models: dict[str, int | None] | None, swarm_key_path: str | None = None
+) -> SwarmState:
     node = await join_swarm(initial_peers, load_swarm_key(swarm_key_path) if swarm_key_path else None)
     try:
         return await collect_state(node, models=models, ping_timeout=PING_TIMEOUT)

@@ -106,7 +106,8 @@ class AssistantDrafter:
 
     # ------------------------------------------------------------------ the assistant's cache
     def _run_sequence(self, sequence: Tensor, mask: Tensor | None) -> Tensor:
-        """Bring the cache to `sequence` (rows, s) (cut to the shared prefix, run the rest); the last logits (rows, V)."""
+        """Bring the cache to `sequence` (rows, s) (cut to the shared prefix, run the rest); the last logits (rows,
+        V)."""
         rows, length = sequence.shape
         keep = 0
         if self._cache is not None and self._cached.shape[0] == rows:

@@ -108,7 +108,11 @@ def beam_search(
         # the nb best candidates that go on
         live_scores = top_scores + ended.to(torch.float32) * _NEG
         best = torch.topk(live_scores, k=nb)[1]
-        running, running_scores, origin = _gather(candidates, best), _gather(live_scores, best), _gather(cand_origin, best)
+        running, running_scores, origin = (
+            _gather(candidates, best),
+            _gather(live_scores, best),
+            _gather(cand_origin, best),
+        )
 
         # finished hypotheses: merge in candidates among the top nb that just ended, if they score better
         just_ended = ended & top_nb[None, :]
@@ -126,7 +130,9 @@ def beam_search(
 
         hypo_ids = origin[:, :, cur - prompt_len].reshape(rows).tolist()
         cur += 1
-        improvable = _still_improvable(improvable, running_scores, finished_scores, is_finished, cur, prompt_len, settings)
+        improvable = _still_improvable(
+            improvable, running_scores, finished_scores, is_finished, cur, prompt_len, settings
+        )
         open_beams = not (bool(is_finished.all()) and settings.early_stopping is True)
         if not (bool(improvable.any()) and open_beams and not bool(ended.all())):
             break
@@ -137,13 +143,20 @@ def beam_search(
     return BeamResult(returned[:, : prompt_len + generated], running[:, :, :cur].reshape(rows, cur), hypo_ids)
 
 
-def _still_improvable(improvable: torch.Tensor, running_scores: torch.Tensor, finished_scores: torch.Tensor,
-                      is_finished: torch.Tensor, cur: int, prompt_len: int, settings: BeamSettings) -> torch.Tensor:
+def _still_improvable(
+    improvable: torch.Tensor,
+    running_scores: torch.Tensor,
+    finished_scores: torch.Tensor,
+    is_finished: torch.Tensor,
+    cur: int,
+    prompt_len: int,
+    settings: BeamSettings,
+) -> torch.Tensor:
     """(B, 1): could the best running beam still beat the worst finished one (HF's heuristic per early_stopping)."""
     if settings.early_stopping == "never" and settings.length_penalty > 0.0:
         best_length = settings.max_length - prompt_len
     else:
         best_length = cur - prompt_len
-    best_running = running_scores[:, :1] / (best_length ** settings.length_penalty)
+    best_running = running_scores[:, :1] / (best_length**settings.length_penalty)
     worst_finished = torch.where(is_finished, torch.min(finished_scores, dim=1, keepdim=True)[0], _NEG)
     return improvable & torch.any(best_running > worst_finished, dim=-1, keepdim=True)

@@ -75,10 +75,16 @@ class DistributedModelForSequenceClassification(nn.Module):
         norm = getattr(head, "norm", None) or head.ln_f  # Llama-family: norm; BLOOM, Falcon: ln_f
         hidden = norm(hidden.to(self.score.weight.dtype))  # (B, T, H)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        pooled = self.score(hidden[rows, self._last_positions(input_ids, attention_mask, *hidden.shape[:2])])  # (B, labels)
-        return SequenceClassifierOutputWithPast(loss=None if labels is None else self._loss(pooled, labels), logits=pooled)
+        pooled = self.score(
+            hidden[rows, self._last_positions(input_ids, attention_mask, *hidden.shape[:2])]
+        )  # (B, labels)
+        return SequenceClassifierOutputWithPast(
+            loss=None if labels is None else self._loss(pooled, labels), logits=pooled
+        )
 
-    def _last_positions(self, input_ids: Tensor | None, attention_mask: Tensor | None, batch: int, length: int) -> Tensor:
+    def _last_positions(
+        self, input_ids: Tensor | None, attention_mask: Tensor | None, batch: int, length: int
+    ) -> Tensor:
         """Index (B,) of the token whose hidden state is classified in each row."""
         if attention_mask is not None:
             mask = attention_mask.to(torch.long)  # (B, T)
@@ -107,8 +113,9 @@ class AutoDistributedModelForSequenceClassification:
     """Entry point: ``AutoDistributedModelForSequenceClassification.from_pretrained(model, initial_peers=[...])``."""
 
     @staticmethod
-    def from_pretrained(model_name_or_path: str, initial_peers: Sequence[str] | None = None, *,
-                        num_labels: int | None = None, **kwargs) -> DistributedModelForSequenceClassification:
+    def from_pretrained(
+        model_name_or_path: str, initial_peers: Sequence[str] | None = None, *, num_labels: int | None = None, **kwargs
+    ) -> DistributedModelForSequenceClassification:
         """Connect like AutoDistributedModelForCausalLM.from_pretrained (same keyword arguments, tuning_mode and
         pre_seq_len included) and add a score head of `num_labels` (default: config.num_labels) outputs.
 
@@ -121,8 +128,14 @@ class AutoDistributedModelForSequenceClassification:
             raise ValueError(f"num_labels must be positive, got {labels}")
         model = DistributedModelForSequenceClassification(base, labels)
         try:
-            loaded = load_tensors(model_name_or_path, lambda name: name == "score.weight", dtype=base.dtype,
-                                  cache_dir=kwargs.get("cache_dir"), revision=kwargs.get("revision"), token=kwargs.get("token"))
+            loaded = load_tensors(
+                model_name_or_path,
+                lambda name: name == "score.weight",
+                dtype=base.dtype,
+                cache_dir=kwargs.get("cache_dir"),
+                revision=kwargs.get("revision"),
+                token=kwargs.get("token"),
+            )
         except ValueError:  # a causal-LM checkpoint: no score head to load
             loaded = {}
         if "score.weight" in loaded and loaded["score.weight"].shape == model.score.weight.shape:

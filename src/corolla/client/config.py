@@ -49,7 +49,8 @@ class ClientConfig:
     # codecs pay off for long prompts over slow links, and cost accuracy (docs: their measured quality)
     compression: str = "none"
     # pipelined prefill (client.pipelined_prefill): a long step crosses a push route in chunks of this many tokens,
-    # so servers compute and push chunk k while chunk k + 1 arrives; None = chosen by the bytes per token (~1 MiB chunks)
+    # so servers compute and push chunk k while chunk k + 1 arrives; None = chosen by the bytes per token (~1 MiB
+    # chunks)
     prefill_chunk_tokens: int | None = None
 
     # route only through servers whose announced quantization is one of these (QuantMode, or its strings "none",
@@ -64,7 +65,11 @@ class ClientConfig:
         if not 0.0 <= self.verify_rate <= 1.0:
             raise ValueError(f"verify_rate must be within [0, 1], got {self.verify_rate!r}")
         if self.allowed_quant is not None:
-            if isinstance(self.allowed_quant, str) or not set(self.allowed_quant) <= set(QUANT_MODES) or not self.allowed_quant:
+            if (
+                isinstance(self.allowed_quant, str)
+                or not set(self.allowed_quant) <= set(QUANT_MODES)
+                or not self.allowed_quant
+            ):
                 raise ValueError(
                     f"allowed_quant must be None or a non-empty tuple of {QUANT_MODES}, got {self.allowed_quant!r}"
                 )

@@ -32,17 +32,23 @@ class Connection:
         (naming our protocol version when the peer has no handler for it: it runs another corolla protocol)."""
         name = rpc_handler_name(verb)
         try:
-            _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name), timeout)
+            _, reader, writer = await asyncio.wait_for(
+                p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name), timeout
+            )
         except asyncio.TimeoutError:
             raise PeerUnreachable(f"server {peer_id} did not accept a stream within {timeout:.1f}s") from None
         except Exception as e:  # p2pd reports unreachable peers with assorted exception types
             if "protocols not supported" in str(e):
-                raise PeerUnreachable(f"server {peer_id} does not speak corolla protocol v{PROTOCOL_VERSION} (it has no "
-                                      f"{name} handler): it runs a corolla version with another protocol") from e
+                raise PeerUnreachable(
+                    f"server {peer_id} does not speak corolla protocol v{PROTOCOL_VERSION} (it has no "
+                    f"{name} handler): it runs a corolla version with another protocol"
+                ) from e
             raise PeerUnreachable(f"could not reach server {peer_id}: {e}") from e
         return cls(peer_id, reader, writer)
 
-    async def send(self, message: Message, tensors: Mapping[str, torch.Tensor] = _NO_TENSORS, codec: str = "none") -> None:
+    async def send(
+        self, message: Message, tensors: Mapping[str, torch.Tensor] = _NO_TENSORS, codec: str = "none"
+    ) -> None:
         """Send a message and its tensors by name (the names its kind carries; hidden states in `codec`);
         PeerUnavailable if the stream broke."""
         try:

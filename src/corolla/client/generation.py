@@ -105,7 +105,9 @@ def generate(
     """
     config, default_max_length = merge_config(model.generation_config, generation_config, kwargs)
     check_modes(config, streamer, tokenizer)
-    speculation = settings.speculation(config, getattr(assistant_model, "generation_config", None), assistant_model is not None)
+    speculation = settings.speculation(
+        config, getattr(assistant_model, "generation_config", None), assistant_model is not None
+    )
     if assistant_model is not None:
         _check_assistant(model, assistant_model)
     expand = max(config.num_beams, config.num_return_sequences)
@@ -115,7 +117,9 @@ def generate(
     rows = call.ids.shape[0] * expand
     if session is not None and call.ids.shape[0] != session.batch_size:
         if session.batch_size != rows:
-            raise ValueError(f"the session was opened for batch_size={session.batch_size}, got {call.ids.shape[0]} sequences")
+            raise ValueError(
+                f"the session was opened for batch_size={session.batch_size}, got {call.ids.shape[0]} sequences"
+            )
         call = call.repeat(expand)  # row b * expand + j: prompt b, as HF expands it
     elif session is None and expand > 1:
         call = call.repeat(expand)
@@ -128,17 +132,23 @@ def generate(
         hidden_len += int((session.token_ids[0, : reading.call_start] == UNKNOWN).sum())
     prompt_len = context_len - hidden_len  # the tokens the processors and criteria see
     if assistant_model is not None and hidden_len:
-        raise ValueError("assistant_model needs the token ids of the whole context: it cannot draft after inputs_embeds")
-    limits = lengths(config, default_max_length, prompt_len, hidden_len, getattr(model.config, "max_position_embeddings", None))
+        raise ValueError(
+            "assistant_model needs the token ids of the whole context: it cannot draft after inputs_embeds"
+        )
+    limits = lengths(
+        config, default_max_length, prompt_len, hidden_len, getattr(model.config, "max_position_embeddings", None)
+    )
     new_tokens = max(limits.max_length - prompt_len, 0)
     positions = context_len + max(new_tokens - 1, 0)  # the last generated token is not sent
     own_session = session is None
     if session is None:
         session = model.open_session(max(positions, 1), call.ids.shape[0])
     elif session.prefix_length + positions > session.max_length:
-        raise ValueError(f"the session's max_length={session.max_length} is too short: this call needs "
-                         f"{session.prefix_length + positions} positions; open it with a larger max_length or ask for "
-                         f"fewer new tokens")
+        raise ValueError(
+            f"the session's max_length={session.max_length} is too short: this call needs "
+            f"{session.prefix_length + positions} positions; open it with a larger max_length or ask for "
+            f"fewer new tokens"
+        )
     try:
         reading = session.take_call(call.ids, call.mask, as_list(config.bos_token_id))
         logger.debug("generate: %s call, %d tokens kept, %d in the context", reading.kind, reading.shared, context_len)
@@ -156,9 +166,13 @@ def generate(
             return call.returned
         if config.num_beams > 1:
             beam = BeamSettings(
-                num_beams=config.num_beams, max_length=limits.max_length, length_penalty=float(config.length_penalty),
-                early_stopping=config.early_stopping, num_return_sequences=config.num_return_sequences,
-                do_sample=bool(config.do_sample), n_eos=len(eos),
+                num_beams=config.num_beams,
+                max_length=limits.max_length,
+                length_penalty=float(config.length_penalty),
+                early_stopping=config.early_stopping,
+                num_return_sequences=config.num_return_sequences,
+                do_sample=bool(config.do_sample),
+                n_eos=len(eos),
                 fill_token=(pad or eos[0]) if eos else -1,  # what HF fills finished rows with
             )
             result = beam_search(logits_fn, sequence, beam, processors, criteria)
@@ -168,17 +182,34 @@ def generate(
         if speculation is not None:
             verifier = _SessionVerifier(model, session, call, reading.call_start, prompt_len)
             drafter = _drafter(speculation, assistant_model, processors, eos, config, model.config)
-            sequence = speculative_decode(verifier, drafter, sequence, mask, do_sample=bool(config.do_sample),
-                                          processors=processors, criteria=criteria, max_length=limits.max_length,
-                                          pad=pad, has_eos=bool(eos), streamer=streamer)
+            sequence = speculative_decode(
+                verifier,
+                drafter,
+                sequence,
+                mask,
+                do_sample=bool(config.do_sample),
+                processors=processors,
+                criteria=criteria,
+                max_length=limits.max_length,
+                pad=pad,
+                has_eos=bool(eos),
+                streamer=streamer,
+            )
             verifier.finish(sequence)
-            if isinstance(drafter, AssistantDrafter) and speculation.schedule == "heuristic" and \
-                    getattr(assistant_model, "generation_config", None) is not None:
+            if (
+                isinstance(drafter, AssistantDrafter)
+                and speculation.schedule == "heuristic"
+                and getattr(assistant_model, "generation_config", None) is not None
+            ):
                 assistant_model.generation_config.num_assistant_tokens = drafter.num_tokens  # kept, as HF keeps it
             return _with_call_ids(call.returned, sequence[:, prompt_len:])
         # spot checks: a liar found during the loop makes it rewind (only where columns are the session's tokens)
-        rewinder = generation_rewinder(session, prompt_len, seen) if session.checks is not None and bool(known.all()) else None
-        sequence = _sample_or_greedy(logits_fn, sequence, config, processors, criteria, pad, bool(eos), streamer, rewinder)
+        rewinder = (
+            generation_rewinder(session, prompt_len, seen) if session.checks is not None and bool(known.all()) else None
+        )
+        sequence = _sample_or_greedy(
+            logits_fn, sequence, config, processors, criteria, pad, bool(eos), streamer, rewinder
+        )
         session.append_tokens(sequence[:, -1:])  # the last token, not sent yet
         return _with_call_ids(call.returned, sequence[:, prompt_len:])
     finally:
@@ -196,9 +227,17 @@ def _with_call_ids(call_ids: torch.Tensor, generated: torch.Tensor) -> torch.Ten
     return torch.cat([call_ids.repeat_interleave(generated.shape[0] // call_ids.shape[0], dim=0), generated], dim=1)
 
 
-def _sample_or_greedy(logits_fn, sequence: torch.Tensor, config: GenerationConfig, processors: LogitsProcessorList,
-                      criteria: StoppingCriteriaList, pad: int | None, has_eos: bool, streamer: Any,
-                      rewinder: Callable[[torch.Tensor, bool], int | None] | None = None) -> torch.Tensor:
+def _sample_or_greedy(
+    logits_fn,
+    sequence: torch.Tensor,
+    config: GenerationConfig,
+    processors: LogitsProcessorList,
+    criteria: StoppingCriteriaList,
+    pad: int | None,
+    has_eos: bool,
+    streamer: Any,
+    rewinder: Callable[[torch.Tensor, bool], int | None] | None = None,
+) -> torch.Tensor:
     """HF's `_sample` loop: one token per row per step until every row meets a stopping criterion.
 
     `rewinder(sequence, final)` (spot checks) may answer a number of columns to keep: the tokens after them are
@@ -230,8 +269,9 @@ def _sample_or_greedy(logits_fn, sequence: torch.Tensor, config: GenerationConfi
             return sequence
 
 
-def _session_logits(model: GenerationModel, session: InferenceSession, call: _Call, call_start: int,
-                    seen: list[int]) -> Callable[[torch.Tensor, "list[int] | None"], torch.Tensor]:
+def _session_logits(
+    model: GenerationModel, session: InferenceSession, call: _Call, call_start: int, seen: list[int]
+) -> Callable[[torch.Tensor, "list[int] | None"], torch.Tensor]:
     """logits_fn(sequence (rows, s), hypo_ids) -> last-position logits (rows, vocab): reorders the session's rows by
     hypo_ids, takes the tokens of `sequence` past the `seen[0]` columns it holds, and sends every pending token."""
 
@@ -254,7 +294,9 @@ class _SessionVerifier:
 
     Between steps the session holds every token of the sequence, all but the last sent (as after plain decoding)."""
 
-    def __init__(self, model: GenerationModel, session: InferenceSession, call: _Call, call_start: int, prompt_len: int):
+    def __init__(
+        self, model: GenerationModel, session: InferenceSession, call: _Call, call_start: int, prompt_len: int
+    ):
         self.model, self.session, self.call, self.call_start = model, session, call, call_start
         self.seen = prompt_len  # columns of the sequence the session holds (sent, or pending)
         self.draft = torch.empty(session.batch_size, 0, dtype=torch.long)  # the last step's draft, all sent
@@ -267,8 +309,9 @@ class _SessionVerifier:
             self.session.append_tokens(draft)
         self.draft = draft
         ids, mask = self.session.pending_tokens()
-        hidden = self.session.feed(_embed_pending(self.model, self.session, ids, self.call, self.call_start), mask,
-                                   last=draft.shape[1] + 1)  # (rows, k + 1, H)
+        hidden = self.session.feed(
+            _embed_pending(self.model, self.session, ids, self.call, self.call_start), mask, last=draft.shape[1] + 1
+        )  # (rows, k + 1, H)
         return self.model.lm_logits(hidden[:, -(draft.shape[1] + 1) :]).float()  # (rows, k + 1, vocab)
 
     def settle(self, sequence: torch.Tensor) -> None:
@@ -289,29 +332,48 @@ class _SessionVerifier:
         self.seen = sequence.shape[1]
 
 
-def _drafter(speculation: Speculation, assistant: torch.nn.Module | None, processors: LogitsProcessorList,
-             eos: list[int], config: GenerationConfig, model_config: PretrainedConfig) -> Drafter:
+def _drafter(
+    speculation: Speculation,
+    assistant: torch.nn.Module | None,
+    processors: LogitsProcessorList,
+    eos: list[int],
+    config: GenerationConfig,
+    model_config: PretrainedConfig,
+) -> Drafter:
     if speculation.prompt_lookup:
-        return PromptLookupDrafter(speculation.num_tokens, speculation.max_ngram, eos, settings.forbidding(processors),
-                                   model_config.vocab_size)
+        return PromptLookupDrafter(
+            speculation.num_tokens, speculation.max_ngram, eos, settings.forbidding(processors), model_config.vocab_size
+        )
     assert assistant is not None
-    return AssistantDrafter(assistant, processors, eos, bool(config.do_sample), speculation.num_tokens,
-                            speculation.schedule, speculation.confidence)
+    return AssistantDrafter(
+        assistant,
+        processors,
+        eos,
+        bool(config.do_sample),
+        speculation.num_tokens,
+        speculation.schedule,
+        speculation.confidence,
+    )
 
 
 def _check_assistant(model: GenerationModel, assistant: Any) -> None:
     """Raise TypeError/ValueError unless `assistant` is a local causal LM over the target's vocabulary."""
     if not isinstance(assistant, torch.nn.Module) or not hasattr(assistant, "config"):
-        raise TypeError(f"assistant_model must be a local Hugging Face causal LM (e.g. AutoModelForCausalLM), got "
-                        f"{type(assistant).__name__}")
+        raise TypeError(
+            f"assistant_model must be a local Hugging Face causal LM (e.g. AutoModelForCausalLM), got "
+            f"{type(assistant).__name__}"
+        )
     ours, theirs = getattr(model.config, "vocab_size", None), getattr(assistant.config, "vocab_size", None)
     if ours != theirs:
-        raise ValueError(f"assistant_model must share the model's tokenizer: its vocab_size is {theirs}, the model's "
-                         f"{ours} (assistants with another tokenizer are not supported)")
+        raise ValueError(
+            f"assistant_model must share the model's tokenizer: its vocab_size is {theirs}, the model's "
+            f"{ours} (assistants with another tokenizer are not supported)"
+        )
 
 
-def _embed_pending(model: GenerationModel, session: InferenceSession, ids: torch.Tensor, call: _Call,
-                   call_start: int) -> torch.Tensor:
+def _embed_pending(
+    model: GenerationModel, session: InferenceSession, ids: torch.Tensor, call: _Call, call_start: int
+) -> torch.Tensor:
     """Embeddings (rows, t, H) of the pending tokens `ids`: the call's inputs_embeds where it gave them, else the
     token embeddings (also of tokens after the call's, e.g. a draft sent with them). Raises ValueError for a pending
     token known only as hidden states."""
@@ -320,8 +382,10 @@ def _embed_pending(model: GenerationModel, session: InferenceSession, ids: torch
     with torch.no_grad():
         if call.embeds is None or first >= call_end:
             if bool((ids == UNKNOWN).any()):
-                raise ValueError("the session's next token is known only as hidden states (stepped without token ids); "
-                                 "pass input_ids or inputs_embeds to continue it")
+                raise ValueError(
+                    "the session's next token is known only as hidden states (stepped without token ids); "
+                    "pass input_ids or inputs_embeds to continue it"
+                )
             return model.embed(input_ids=ids)
         parts = []
         if first < call_start:
@@ -333,8 +397,14 @@ def _embed_pending(model: GenerationModel, session: InferenceSession, ids: torch
         return torch.cat(parts, dim=1)
 
 
-def _call_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, attention_mask: torch.Tensor | None,
-                 pad: int | None, eos: list[int], session: InferenceSession | None) -> _Call:
+def _call_inputs(
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    pad: int | None,
+    eos: list[int],
+    session: InferenceSession | None,
+) -> _Call:
     """This call's input as a _Call; raises ValueError for inconsistent shapes or no input at all."""
     if input_ids is None and inputs_embeds is None:
         if session is None or session.token_ids.shape[1] == 0:
@@ -354,14 +424,17 @@ def _call_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
         if ids.ndim != 2:
             raise ValueError(f"input_ids must have shape (batch, length), got {tuple(ids.shape)}")
         if inputs_embeds is not None and tuple(ids.shape) != tuple(inputs_embeds.shape[:2]):
-            raise ValueError(f"input_ids {tuple(ids.shape)} and inputs_embeds {tuple(inputs_embeds.shape)} must "
-                             "describe the same tokens")
+            raise ValueError(
+                f"input_ids {tuple(ids.shape)} and inputs_embeds {tuple(inputs_embeds.shape)} must "
+                "describe the same tokens"
+            )
     mask = _input_mask(ids, attention_mask, pad, eos, fresh=session is None or session.token_ids.shape[1] == 0)
     return _Call(ids, mask, inputs_embeds, returned)
 
 
-def _input_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None, eos: list[int],
-                fresh: bool) -> torch.Tensor | None:
+def _input_mask(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None, eos: list[int], fresh: bool
+) -> torch.Tensor | None:
     """The attention mask of the call's input (B, n) bool, or None if nothing is padded.
 
     Without a mask, HF infers one from pad tokens in the prompt when pad_token_id is set and is not an eos token
@@ -372,7 +445,9 @@ def _input_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pa
         if attention_mask.ndim == 1:
             attention_mask = attention_mask.unsqueeze(0)
         if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
+            )
         mask = attention_mask.to(torch.bool)
         return None if bool(mask.all()) else mask
     if fresh and pad is not None and pad not in eos and bool((input_ids == pad).any()):

@@ -126,17 +126,21 @@ def check_modes(config: GenerationConfig, streamer: Any, tokenizer: Any) -> None
         if streamer is not None:
             raise ValueError("a streamer cannot be used with beam search (as in HF)")
         if config.num_return_sequences > config.num_beams:
-            raise ValueError(f"num_return_sequences={config.num_return_sequences} must be <= num_beams={config.num_beams}")
+            raise ValueError(
+                f"num_return_sequences={config.num_return_sequences} must be <= num_beams={config.num_beams}")
     elif config.num_return_sequences > 1 and not config.do_sample:
-        raise ValueError("greedy decoding returns one sequence per prompt: num_return_sequences > 1 needs do_sample or num_beams")
+        raise ValueError(
+            "greedy decoding returns one sequence per prompt: num_return_sequences > 1 needs do_sample or num_beams"
+        )
     if config.stop_strings is not None and tokenizer is None:
         raise ValueError("stop_strings needs the model's tokenizer: pass tokenizer=... to generate")
     if config.early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {config.early_stopping!r}")
 
 
-def speculation(config: GenerationConfig, assistant_config: GenerationConfig | None, has_assistant: bool
-                ) -> Speculation | None:
+def speculation(
+    config: GenerationConfig, assistant_config: GenerationConfig | None, has_assistant: bool
+) -> Speculation | None:
     """The speculative decoding `config` asks for (None: plain decoding). The assistant's settings come from `config`
     when set there (generate's arguments, the target's generation config), else from the assistant's own generation
     config `assistant_config` (where HF reads them), else HF's defaults. Raises ValueError for beam search, for both
@@ -145,15 +149,19 @@ def speculation(config: GenerationConfig, assistant_config: GenerationConfig | N
     if lookup is None and not has_assistant:
         return None
     if config.num_beams > 1:
-        raise ValueError("speculative decoding (prompt_lookup_num_tokens / assistant_model) does not support beam search: "
-                         "use num_beams=1")
+        raise ValueError(
+            "speculative decoding (prompt_lookup_num_tokens / assistant_model) does not support beam search: "
+            "use num_beams=1"
+        )
     if lookup is not None and has_assistant:
         raise ValueError("pass either prompt_lookup_num_tokens or assistant_model, not both")
     if lookup is not None:
         ngram = config.max_matching_ngram_size or DEFAULT_NGRAM
         if not isinstance(lookup, int) or lookup < 1 or not isinstance(ngram, int) or ngram < 1:
-            raise ValueError(f"prompt_lookup_num_tokens and max_matching_ngram_size must be integers >= 1, got {lookup!r} "
-                             f"and {ngram!r}")
+            raise ValueError(
+                f"prompt_lookup_num_tokens and max_matching_ngram_size must be integers >= 1, got {lookup!r} "
+                f"and {ngram!r}"
+            )
         return Speculation(prompt_lookup=True, num_tokens=lookup, max_ngram=ngram)
 
     def setting(name: str) -> Any:
@@ -168,7 +176,9 @@ def speculation(config: GenerationConfig, assistant_config: GenerationConfig | N
     if not isinstance(num, int) or num < 1:
         raise ValueError(f"num_assistant_tokens must be an integer >= 1, got {num!r}")
     if schedule not in ("constant", "heuristic", "heuristic_transient"):
-        raise ValueError(f"num_assistant_tokens_schedule must be constant, heuristic or heuristic_transient, got {schedule!r}")
+        raise ValueError(
+            f"num_assistant_tokens_schedule must be constant, heuristic or heuristic_transient, got {schedule!r}"
+        )
     if not 0.0 <= float(confidence) <= 1.0:
         raise ValueError(f"assistant_confidence_threshold must be within [0, 1], got {confidence!r}")
     return Speculation(prompt_lookup=False, num_tokens=num, schedule=schedule, confidence=float(confidence))
@@ -179,8 +189,14 @@ def forbidding(processors: LogitsProcessorList) -> LogitsProcessorList:
     return LogitsProcessorList([p for p in processors if not isinstance(p, WARPERS)])
 
 
-def logits_processors(config: GenerationConfig, prompt_len: int, eos: list[int], mask: torch.Tensor | None,
-                      custom: list[LogitsProcessor] | None = None, min_length: int | None = None) -> LogitsProcessorList:
+def logits_processors(
+    config: GenerationConfig,
+    prompt_len: int,
+    eos: list[int],
+    mask: torch.Tensor | None,
+    custom: list[LogitsProcessor] | None = None,
+    min_length: int | None = None,
+) -> LogitsProcessorList:
     """The processors HF applies for these settings, in HF's order: penalties and length limits, then the user's
     `custom` ones merged in (one of the same type replaces HF's own), then the sampling warpers (which keep one more
     token than there are eos ids in beam sampling). `mask` (B, prompt_len) marks left padding."""
@@ -190,7 +206,9 @@ def logits_processors(config: GenerationConfig, prompt_len: int, eos: list[int],
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
         padded = mask is not None and not bool(mask.all())  # HF skips each row's left padding
         ignore = mask.int().argmax(dim=1) if padded else None
-        processors.append(RepetitionPenaltyLogitsProcessor(penalty=float(config.repetition_penalty), prompt_ignore_length=ignore))
+        processors.append(
+            RepetitionPenaltyLogitsProcessor(penalty=float(config.repetition_penalty), prompt_ignore_length=ignore)
+        )
     if eos_tensor is not None and min_length is not None and min_length > 0:
         processors.append(MinLengthLogitsProcessor(min_length, eos_tensor))
     if eos_tensor is not None and config.min_new_tokens is not None and config.min_new_tokens > 0:
@@ -211,8 +229,9 @@ def logits_processors(config: GenerationConfig, prompt_len: int, eos: list[int],
     return processors
 
 
-def stopping_criteria(max_length: int, eos: list[int], stop_strings: Any, tokenizer: Any,
-                      custom: list[StoppingCriteria] | None = None) -> StoppingCriteriaList:
+def stopping_criteria(
+    max_length: int, eos: list[int], stop_strings: Any, tokenizer: Any, custom: list[StoppingCriteria] | None = None
+) -> StoppingCriteriaList:
     """HF's criteria, in HF's order: the length limit, stop strings (text ending with one), eos tokens; then the
     user's `custom` ones merged in."""
     criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=max_length)])

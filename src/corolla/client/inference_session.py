@@ -50,25 +50,45 @@ class InferenceSession:
     mode, one per span in relay mode; what a benchmark reports as the client's round trips.
     """
 
-    def __init__(self, manager: SequenceManager, max_length: int, batch_size: int = 1, *, start: int = 0, end: int | None = None,
-                 active_adapter: str | None = None, prompts: torch.Tensor | None = None, prefix: torch.Tensor | None = None):
+    def __init__(
+        self,
+        manager: SequenceManager,
+        max_length: int,
+        batch_size: int = 1,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        active_adapter: str | None = None,
+        prompts: torch.Tensor | None = None,
+        prefix: torch.Tensor | None = None,
+    ):
         if max_length <= 0:
             raise ValueError("max_length must be positive")
         self.manager = manager
         # this session's LoRA adapter: the given one, else the client's (ClientConfig.active_adapter)
-        self.config = manager.config if active_adapter is None else replace(manager.config, active_adapter=active_adapter)
+        self.config = (
+            manager.config if active_adapter is None else replace(manager.config, active_adapter=active_adapter)
+        )
         self.max_length = max_length
         self.batch_size = batch_size
         self.start = start
         self.end = manager.num_blocks if end is None else end
-        if prompts is not None and (prompts.ndim != 3 or prompts.shape[0] != self.end - self.start
-                                    or not 1 <= prompts.shape[1] <= max_length):
-            raise ValueError(f"deep prompts must have shape ({self.end - self.start}, P, hidden) with 1 <= P <= "
-                             f"max_length={max_length}, got {tuple(prompts.shape)}")
-        if prefix is not None and (prefix.ndim != 2 or not 1 <= prefix.shape[0] <= max_length
-                                   or (prompts is not None and prompts.shape[1] != prefix.shape[0])):
-            raise ValueError(f"prompt-tuning prompts must have shape (P, hidden) with 1 <= P <= max_length={max_length}"
-                             f" (and P equal to the deep prompts'), got {tuple(prefix.shape)}")
+        if prompts is not None and (
+            prompts.ndim != 3 or prompts.shape[0] != self.end - self.start or not 1 <= prompts.shape[1] <= max_length
+        ):
+            raise ValueError(
+                f"deep prompts must have shape ({self.end - self.start}, P, hidden) with 1 <= P <= "
+                f"max_length={max_length}, got {tuple(prompts.shape)}"
+            )
+        if prefix is not None and (
+            prefix.ndim != 2
+            or not 1 <= prefix.shape[0] <= max_length
+            or (prompts is not None and prompts.shape[1] != prefix.shape[0])
+        ):
+            raise ValueError(
+                f"prompt-tuning prompts must have shape (P, hidden) with 1 <= P <= max_length={max_length}"
+                f" (and P equal to the deep prompts'), got {tuple(prefix.shape)}"
+            )
         self.prompts = None if prompts is None else prompts.detach()
         self.prefix = None if prefix is None else prefix.detach()
         self._state = SessionState(batch_size, 0 if prefix is None else prefix.shape[0])
@@ -76,7 +96,9 @@ class InferenceSession:
         self.closed = False
         self.steps = 0  # steps that reached the servers: round trips through the chain (failover replays not counted)
         # spot checks of this session's servers (client.spot_checks), None when ClientConfig.verify_rate is 0
-        self.checks: SessionChecks | None = SessionChecks(client_checks(manager)) if manager.config.verify_rate > 0 else None
+        self.checks: SessionChecks | None = (
+            SessionChecks(client_checks(manager)) if manager.config.verify_rate > 0 else None
+        )
         self.pushed_steps = 0  # steps that went server to server all the way (push mode, no hop failed)
         self._next_id = itertools.count(1).__next__  # step ids, shared by every span (a pushed step keeps its id)
         self.exchanges = 0  # requests sent to a server and waited for (see the class docstring)
@@ -149,15 +171,17 @@ class InferenceSession:
         ids = [int(i) for i in (hypo_ids.tolist() if isinstance(hypo_ids, torch.Tensor) else hypo_ids)]
         self._state.reorder(ids)
 
-    def read_call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                  leading_ids: Collection[int] = ()) -> CallReading:
+    def read_call(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, leading_ids: Collection[int] = ()
+    ) -> CallReading:
         """How a `generate` call's ids (batch_size, m) relate to the tokens held: "fresh", "extend", "rollback" or
         "new" (the rule is in client.session_state). `leading_ids` are ids every text starts with (BOS): sharing
         only those is sharing nothing. Changes nothing."""
         return self._state.read_call(input_ids, attention_mask, leading_ids)
 
-    def take_call(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                  leading_ids: Collection[int] = ()) -> CallReading:
+    def take_call(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, leading_ids: Collection[int] = ()
+    ) -> CallReading:
         """Apply `read_call`: the token ids become the call's context (the tokens kept, then the call's), the
         servers keep the shared positions, and the rest is pending (at least the last token). Returns the reading."""
         return self._state.take_call(input_ids, attention_mask, leading_ids)
@@ -171,8 +195,9 @@ class InferenceSession:
         self._state.append(ids)
 
     # ------------------------------------------------------------------ steps
-    def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
-             ) -> torch.Tensor:
+    def step(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
+    ) -> torch.Tensor:
         """Run hidden (batch_size, T, H) for positions [position, position + T); returns the last block's output.
 
         `attention_mask` (batch_size, T), 1 = real token, 0 = padding, covers this step's positions; the session
@@ -184,20 +209,25 @@ class InferenceSession:
         """
         return run_sync(self.step_async(hidden, attention_mask, last))
 
-    async def step_async(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                         last: int | None = None) -> torch.Tensor:
+    async def step_async(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
+    ) -> torch.Tensor:
         """`step`, awaited on the client's event loop (one loop can drive many sessions)."""
         if self.closed:
             raise SessionExpired("this inference session is closed")
         if hidden.ndim != 3 or hidden.shape[0] != self.batch_size:
-            raise ValueError(f"expected hidden states of shape ({self.batch_size}, T, hidden), got {tuple(hidden.shape)}")
+            raise ValueError(
+                f"expected hidden states of shape ({self.batch_size}, T, hidden), got {tuple(hidden.shape)}"
+            )
         if self.position + hidden.shape[1] > self.max_length:
             raise ValueError(
                 f"the session's max_length={self.max_length} is too short: it holds {self.position} positions "
                 f"and was given {hidden.shape[1]} more; open the session with a larger max_length"
             )
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
-            raise ValueError(f"attention_mask must have shape {tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must have shape {tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}"
+            )
         if last is not None and not 1 <= last <= hidden.shape[1]:
             raise ValueError(f"last must be within [1, {hidden.shape[1]}], got {last}")
         mask = self._state.step_mask(hidden.shape[1], attention_mask)
@@ -206,8 +236,9 @@ class InferenceSession:
         self.steps += 1
         return output
 
-    def feed(self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
-             ) -> torch.Tensor:
+    def feed(
+        self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
+    ) -> torch.Tensor:
         """Run the input embeddings (batch_size, t, H) of the next t tokens; returns their outputs (batch_size, t, H).
 
         A session with prompt-tuning prompts sends them first while it holds nothing; rolled back into them it
@@ -218,23 +249,30 @@ class InferenceSession:
             return self.step(hidden, mask, min(last, embeddings.shape[1]))
         return self.step(hidden, mask)[:, hidden.shape[1] - embeddings.shape[1] :]
 
-    async def feed_async(self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                         last: int | None = None) -> torch.Tensor:
+    async def feed_async(
+        self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
+    ) -> torch.Tensor:
         """`feed`, awaited on the client's event loop."""
         hidden, mask = self._with_prefix(embeddings, attention_mask)
         if last is not None:
             return await self.step_async(hidden, mask, min(last, embeddings.shape[1]))
         return (await self.step_async(hidden, mask))[:, hidden.shape[1] - embeddings.shape[1] :]
 
-    def _with_prefix(self, embeddings: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _with_prefix(
+        self, embeddings: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(embeddings, mask) with the prompts in front when the session holds nothing yet."""
         if self.prefix is None or self.position >= self.prefix_length:
             return embeddings, mask
         if self.position > 0:
-            raise ValueError(f"a prompt-tuned session cannot be rolled back into its {self.prefix_length} prompt positions")
+            raise ValueError(
+                f"a prompt-tuned session cannot be rolled back into its {self.prefix_length} prompt positions"
+            )
         prefix = self.prefix.to(embeddings.dtype).to(embeddings.device).expand(embeddings.shape[0], -1, -1)  # (B, P, H)
         if mask is not None:
-            mask = torch.cat([torch.ones(mask.shape[0], self.prefix_length, dtype=torch.bool), mask.to(torch.bool).cpu()], dim=1)
+            mask = torch.cat(
+                [torch.ones(mask.shape[0], self.prefix_length, dtype=torch.bool), mask.to(torch.bool).cpu()], dim=1
+            )
         return torch.cat([prefix, embeddings], dim=1), mask  # (B, P + t, H)
 
     # ------------------------------------------------------------------ closing
@@ -267,8 +305,9 @@ class InferenceSession:
                 pass
 
     # ------------------------------------------------------------------ event-loop side
-    async def _step(self, hidden: torch.Tensor, mask: torch.Tensor | None, hypo_ids: list[int] | None,
-                    last: int | None = None) -> torch.Tensor:
+    async def _step(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None, hypo_ids: list[int] | None, last: int | None = None
+    ) -> torch.Tensor:
         if self._spans is None:
             self._spans = await self._open_chain(self.start, self.end, history=None)
         position = self.position
@@ -277,8 +316,14 @@ class InferenceSession:
             return await self._push_step(hidden, position, mask, hypo_ids, last)
         return await self._relay(hidden, position, mask, hypo_ids, 0, last=last)
 
-    async def _push_step(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None,
-                         hypo_ids: list[int] | None, last: int | None = None) -> torch.Tensor:
+    async def _push_step(
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        mask: torch.Tensor | None,
+        hypo_ids: list[int] | None,
+        last: int | None = None,
+    ) -> torch.Tensor:
         """Send the step to the first server, which pushes it on along the links the client set, then read every
         span's copy of its output in route order (the last one is the answer), each checked (client.push_audit)
         before any is recorded. What goes wrong at span i is handled by who is at fault:
@@ -297,9 +342,18 @@ class InferenceSession:
         except (PeerUnavailable, RemoteError) as e:  # relaying finds (and replaces) the server that failed
             logger.info("set_push failed: %s", e)
             return await self._relay(hidden, position, mask, hypo_ids, 0, last=last)
-        tokens = None if hypo_ids is not None else chunk_tokens(
-            hidden.shape[0], hidden.shape[1], hidden.shape[2], self.config.compression, hidden.dtype,
-            self.config.prefill_chunk_tokens)
+        tokens = (
+            None
+            if hypo_ids is not None
+            else chunk_tokens(
+                hidden.shape[0],
+                hidden.shape[1],
+                hidden.shape[2],
+                self.config.compression,
+                hidden.dtype,
+                self.config.prefill_chunk_tokens,
+            )
+        )
         if tokens is not None:
             return await self._pipelined_step(hidden, position, mask, tokens, last)
         inputs, index = [hidden], 0
@@ -313,11 +367,13 @@ class InferenceSession:
             while index < len(spans):
                 pushed = None if index == 0 else pushed_by(spans[index - 1], inputs[index], mask, last)
                 answer = last if index == len(spans) - 1 else None
-                inputs.append(await spans[index].receive(inputs[index], timeout, pushed, position, hypo_ids,
-                                                         answer=answer))
+                inputs.append(
+                    await spans[index].receive(inputs[index], timeout, pushed, position, hypo_ids, answer=answer)
+                )
                 elapsed, mark = time.perf_counter() - mark, time.perf_counter()
-                self.manager.observe(spans[index].span.peer_id, elapsed, spans[index].span.length,
-                                     hidden.shape[0] * hidden.shape[1])
+                self.manager.observe(
+                    spans[index].span.peer_id, elapsed, spans[index].span.length, hidden.shape[0] * hidden.shape[1]
+                )
                 index += 1
         except PushFailed as e:  # spans[index] answered, the one after it did not get the step
             logger.info("push failed after span %d: %s", index, e)
@@ -339,8 +395,9 @@ class InferenceSession:
         self.pushed_steps += 1
         return inputs[-1]
 
-    async def _pipelined_step(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None,
-                              tokens: int, last: int | None = None) -> torch.Tensor:
+    async def _pipelined_step(
+        self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None, tokens: int, last: int | None = None
+    ) -> torch.Tensor:
         """A long push step sent in chunks of `tokens` (client.pipelined_prefill). If a chunk fails, every link is
         cut (chunks still in flight are refused from then on), the span at fault, if any, is handled as in
         `_push_step`, and the whole step is relayed again from the first span, overwriting what the chunks left."""
@@ -350,8 +407,9 @@ class InferenceSession:
             inputs = await pipelined_push(spans, hidden, position, mask, tokens, self.config.request_timeout, last)
         except ChunkFailed as failed:
             logger.info("pipelined step failed at span %d: %s; relaying it whole", failed.index, failed.error)
-            await asyncio.gather(*(s.set_push(None, None, self.config.connect_timeout) for s in spans),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                *(s.set_push(None, None, self.config.connect_timeout) for s in spans), return_exceptions=True
+            )
             await self._blame(failed.index, failed.error, position)
             return await self._relay(hidden, position, mask, None, 0, last=last)
         self.exchanges += 1
@@ -374,8 +432,15 @@ class InferenceSession:
             self.manager.after_failure(error, 0, spans[index].span)  # re-raises what no other server would fix
             await self._replace_span(index, position)
 
-    def _accept(self, spans: Sequence[SpanSession], inputs: list[torch.Tensor], position: int,
-                mask: torch.Tensor | None, hypo_ids: list[int] | None, end: int) -> None:
+    def _accept(
+        self,
+        spans: Sequence[SpanSession],
+        inputs: list[torch.Tensor],
+        position: int,
+        mask: torch.Tensor | None,
+        hypo_ids: list[int] | None,
+        end: int,
+    ) -> None:
         """Record the checked answers of `spans` (the route's first ones) to a step ending at `end`: their inputs,
         forgiveness, and maybe a spot check of each (client.spot_checks)."""
         for i, span in enumerate(spans):
@@ -384,9 +449,16 @@ class InferenceSession:
             if self.checks is not None and mask is None and hypo_ids is None:
                 self.checks.after_step(span, position, inputs[i + 1], span.prompts, end)
 
-    async def _relay_unpushed(self, x: torch.Tensor, position: int, mask: torch.Tensor | None,
-                              hypo_ids: list[int] | None, index: int, error: Exception, last: int | None = None
-                              ) -> torch.Tensor:
+    async def _relay_unpushed(
+        self,
+        x: torch.Tensor,
+        position: int,
+        mask: torch.Tensor | None,
+        hypo_ids: list[int] | None,
+        index: int,
+        error: Exception,
+        last: int | None = None,
+    ) -> torch.Tensor:
         """spans[index] never answered a pushed step: send it the step directly. If it answers now, the server before
         it did not push (it is banned for a while: that link does not work); if not, spans[index] failed."""
         span, pusher = self._spans[index], self._spans[index - 1]
@@ -396,16 +468,29 @@ class InferenceSession:
             out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids, answer)
         except (PeerUnavailable, RemoteError) as e:
             return await self._relay(x, position, mask, hypo_ids, index, e, last=last)
-        logger.warning("server %s answered the step relayed to it, but not when %s pushed it (%s); banning %s",
-                       span.span.peer_id, pusher.span.peer_id, error, pusher.span.peer_id)
+        logger.warning(
+            "server %s answered the step relayed to it, but not when %s pushed it (%s); banning %s",
+            span.span.peer_id,
+            pusher.span.peer_id,
+            error,
+            pusher.span.peer_id,
+        )
         self.manager.ban(pusher.span.peer_id)
         self.manager.forgive(span.span.peer_id)
         if self.checks is not None and mask is None and hypo_ids is None:
             self.checks.after_step(span, position, out, span.prompts, position + x.shape[1])
         return await self._relay(out, position, mask, hypo_ids, index + 1, last=last)
 
-    async def _convict_pusher(self, index: int, x: torch.Tensor, position: int, mask: torch.Tensor | None,
-                              hypo_ids: list[int] | None, error: BadAnswer, last: int | None = None) -> torch.Tensor:
+    async def _convict_pusher(
+        self,
+        index: int,
+        x: torch.Tensor,
+        position: int,
+        mask: torch.Tensor | None,
+        hypo_ids: list[int] | None,
+        error: BadAnswer,
+        last: int | None = None,
+    ) -> torch.Tensor:
         """spans[index] pushed something else than it returned (its signed receipt proves it): distrust it, replace
         it, rebuild the caches of every span after it from their histories (its pushes reached them), and relay the
         step from it, whose input was `x`."""
@@ -416,11 +501,12 @@ class InferenceSession:
         self._distrust(liar, error.blame.reason)
         before = len(spans)
         await self._replace_span(index, position)
-        for later in self._spans[index + len(self._spans) - before + 1:]:
+        for later in self._spans[index + len(self._spans) - before + 1 :]:
             if later.history is not None and later.history.shape[1] >= position > 0:
                 self.exchanges += 1
-                await later.step(later.history[:, :position], 0, self.config.request_timeout,
-                                 self._state.replay_mask(position))
+                await later.step(
+                    later.history[:, :position], 0, self.config.request_timeout, self._state.replay_mask(position)
+                )
         return await self._relay(x, position, mask, hypo_ids, index, last=last)
 
     def _distrust(self, peer_id: str, reason: str) -> None:
@@ -433,11 +519,20 @@ class InferenceSession:
     async def _fix_links(self, spans: list[SpanSession]) -> None:
         """Send SetPush to every span whose push links differ from what the route needs (client.push_route)."""
         fixes = links_to_fix([s.hop() for s in spans])
-        await asyncio.gather(*(spans[i].set_push(source, target, self.config.connect_timeout)
-                               for i, source, target in fixes))
+        await asyncio.gather(
+            *(spans[i].set_push(source, target, self.config.connect_timeout) for i, source, target in fixes)
+        )
 
-    async def _relay(self, x: torch.Tensor, position: int, mask: torch.Tensor | None, hypo_ids: list[int] | None,
-                     index: int, failed: Exception | None = None, last: int | None = None) -> torch.Tensor:
+    async def _relay(
+        self,
+        x: torch.Tensor,
+        position: int,
+        mask: torch.Tensor | None,
+        hypo_ids: list[int] | None,
+        index: int,
+        failed: Exception | None = None,
+        last: int | None = None,
+    ) -> torch.Tensor:
         """Run input `x` through spans[index:], the client relaying every hop; `failed`: spans[index] already failed;
         `last`: the route's last span answers only its last `last` positions."""
         spans = self._spans
@@ -453,8 +548,9 @@ class InferenceSession:
                 begin = time.perf_counter()  # routing: the span's measured time (SequenceManager.observe)
                 answer = last if index == len(spans) - 1 else None
                 x_out = await span.step(x, position, self.config.request_timeout, mask, hypo_ids, answer)
-                self.manager.observe(span.span.peer_id, time.perf_counter() - begin, span.span.length,
-                                     x.shape[0] * x.shape[1])
+                self.manager.observe(
+                    span.span.peer_id, time.perf_counter() - begin, span.span.length, x.shape[0] * x.shape[1]
+                )
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, failures, span.span)
                 await span.close()
@@ -519,7 +615,8 @@ class InferenceSession:
         failures = 0
         while True:
             route = await self.manager.make_route(
-                start, end, cache_tokens_needed=self.batch_size * self.max_length, adapter=self.config.active_adapter)
+                start, end, cache_tokens_needed=self.batch_size * self.max_length, adapter=self.config.active_adapter
+            )
             opened: list[SpanSession] = []
             span = route[0]
             secrets = [new_secret() for _ in route]
@@ -528,10 +625,24 @@ class InferenceSession:
                 links = [(None, None)] * len(route)
             try:
                 # every span's stream opens at once (one round trip in all, not one per server)
-                results = await asyncio.gather(*(
-                    SpanSession.open(self.manager, s, self.max_length, self.batch_size, self.config, self._next_id,
-                                     self._span_prompts(s), secret, source, target)
-                    for s, secret, (source, target) in zip(route, secrets, links)), return_exceptions=True)
+                results = await asyncio.gather(
+                    *(
+                        SpanSession.open(
+                            self.manager,
+                            s,
+                            self.max_length,
+                            self.batch_size,
+                            self.config,
+                            self._next_id,
+                            self._span_prompts(s),
+                            secret,
+                            source,
+                            target,
+                        )
+                        for s, secret, (source, target) in zip(route, secrets, links)
+                    ),
+                    return_exceptions=True,
+                )
                 opened = [r for r in results if isinstance(r, SpanSession)]
                 for s, r in zip(route, results):
                     if isinstance(r, BaseException):
@@ -553,7 +664,12 @@ class InferenceSession:
             except BaseException:
                 await self._close_spans(opened)
                 raise
-            logger.debug("session route %d:%d -> %s", start, end, [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened])
+            logger.debug(
+                "session route %d:%d -> %s",
+                start,
+                end,
+                [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened],
+            )
             return opened
 
     def _span_prompts(self, span: Span) -> torch.Tensor | None:

@@ -105,8 +105,13 @@ class DistributedModelForCausalLM(nn.Module):
         return self.head.logits(hidden)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+    ) -> CausalLMOutputWithPast:
         """Full forward through the swarm (no cache): logits (B, T, vocab), from input_ids (B, T) or inputs_embeds
         (B, T, H). Differentiable w.r.t. inputs_embeds and the prompts when grad is enabled (rpc_backward).
 
@@ -117,8 +122,12 @@ class DistributedModelForCausalLM(nn.Module):
         logits = self.lm_logits(self.block_outputs(input_ids, inputs_embeds, attention_mask))
         return CausalLMOutputWithPast(loss=None if labels is None else causal_lm_loss(logits, labels), logits=logits)
 
-    def block_outputs(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def block_outputs(
+        self,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The last block's hidden states (B, T, H) for input_ids (B, T) or inputs_embeds (B, T, H), before the
         final norm; with prompt tuning the prompts run through the blocks too and are dropped from the result."""
         hidden = self.embed(input_ids, inputs_embeds)  # (B, T, H)
@@ -129,7 +138,9 @@ class DistributedModelForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ sessions and generation
     @contextmanager
-    def inference_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None) -> Iterator[InferenceSession]:
+    def inference_session(
+        self, max_length: int, batch_size: int = 1, active_adapter: str | None = None
+    ) -> Iterator[InferenceSession]:
         """Open a KV-cached session on the servers; `generate` inside the block uses it unless given another.
 
         `active_adapter` runs this session with that LoRA adapter (default: the model's, see from_pretrained).
@@ -150,7 +161,9 @@ class DistributedModelForCausalLM(nn.Module):
         if self.ptune is not None:
             prefix = self.ptune.prompts.detach().clone()
             deep = None if self.ptune.deep_prompts is None else self.ptune.deep_prompts.detach().clone()
-        return self.transformer.inference_session(max_length + self.prompt_length, batch_size, active_adapter, deep, prefix)
+        return self.transformer.inference_session(
+            max_length + self.prompt_length, batch_size, active_adapter, deep, prefix
+        )
 
     @property
     def prompt_length(self) -> int:
@@ -258,8 +271,13 @@ class AutoDistributedModelForCausalLM:
         hf_config = load_config(model_name_or_path, cache_dir=cache_dir, revision=revision, token=token)
         family = get_family(hf_config)
         tensors = load_tensors(
-            model_name_or_path, family.is_head_tensor, dtype=model_dtype, cache_dir=cache_dir, revision=revision,
-            token=token, rename=family.canonical_name,
+            model_name_or_path,
+            family.is_head_tensor,
+            dtype=model_dtype,
+            cache_dir=cache_dir,
+            revision=revision,
+            token=token,
+            rename=family.canonical_name,
         )
         default_dtype = torch.get_default_dtype()
         try:
@@ -278,16 +296,26 @@ class AutoDistributedModelForCausalLM:
         manager = SequenceManager(node, prefix, family.num_blocks(hf_config), config)
         if config.verify_rate > 0 and config.verify_referee:  # spot checks' disputes are settled by the client itself
             client_checks(manager).referee = Referee(model_name_or_path, family, hf_config, cache_dir, revision, token)
-        ptune = make_prompt_tuning(tuning_mode, pre_seq_len, head, hf_config.hidden_size, manager.num_blocks, model_dtype)
-        model = DistributedModelForCausalLM(hf_config, head, RemoteSequential(manager), node, generation_config, model_name_or_path, ptune)
-        logger.info("connected to the swarm for %s (dht prefix %s, %d blocks)", model_name_or_path, prefix, manager.num_blocks)
+        ptune = make_prompt_tuning(
+            tuning_mode, pre_seq_len, head, hf_config.hidden_size, manager.num_blocks, model_dtype
+        )
+        model = DistributedModelForCausalLM(
+            hf_config, head, RemoteSequential(manager), node, generation_config, model_name_or_path, ptune
+        )
+        logger.info(
+            "connected to the swarm for %s (dht prefix %s, %d blocks)", model_name_or_path, prefix, manager.num_blocks
+        )
         return model
 
 
 async def _join_swarm(config: ClientConfig) -> SwarmNode:
     """The client's DHT node (client mode), kept joined through network outages."""
-    node = await create_swarm_node(config.initial_peers, client_mode=True, use_relay=config.use_relay,
-                                   swarm_key=load_swarm_key(config.swarm_key) if config.swarm_key else None)
+    node = await create_swarm_node(
+        config.initial_peers,
+        client_mode=True,
+        use_relay=config.use_relay,
+        swarm_key=load_swarm_key(config.swarm_key) if config.swarm_key else None,
+    )
     node.start_watch(config.rejoin_period)
     return node
 

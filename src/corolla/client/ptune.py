@@ -31,10 +31,18 @@ TUNING_MODES: tuple[str, ...] = ("ptune", "deep_ptune")
 
 
 class PromptTuning(nn.Module):
-    """The trainable prompts of one model: ``prompts`` (P, H) and, for deep_ptune, ``deep_prompts`` (num_blocks, P, H)."""
+    """The trainable prompts of one model: ``prompts`` (P, H) and, for deep_ptune, ``deep_prompts`` (num_blocks, P,
+    H)."""
 
-    def __init__(self, mode: str, pre_seq_len: int, hidden_size: int, num_blocks: int, init_std: float,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        mode: str,
+        pre_seq_len: int,
+        hidden_size: int,
+        num_blocks: int,
+        init_std: float,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         if mode not in TUNING_MODES:
             raise ValueError(f"tuning_mode must be one of {', '.join(TUNING_MODES)} (or None), got {mode!r}")
@@ -46,7 +54,9 @@ class PromptTuning(nn.Module):
         self.prompts = nn.Parameter(torch.randn(pre_seq_len, hidden_size, dtype=dtype) * init_std)  # (P, H)
         self.deep_prompts: nn.Parameter | None = None
         if mode == "deep_ptune":
-            self.deep_prompts = nn.Parameter(torch.zeros(num_blocks, pre_seq_len, hidden_size, dtype=dtype))  # (n, P, H)
+            self.deep_prompts = nn.Parameter(
+                torch.zeros(num_blocks, pre_seq_len, hidden_size, dtype=dtype)
+            )  # (n, P, H)
 
     def prepend(self, embeddings: Tensor) -> Tensor:
         """(B, T, H) -> (B, P + T, H): the prompts, then the embeddings."""
@@ -68,8 +78,9 @@ class PromptTuning(nn.Module):
         return torch.cat([ones, attention_mask.to(torch.bool)], dim=1)
 
 
-def make_prompt_tuning(mode: str | None, pre_seq_len: int, head: nn.Module, hidden_size: int, num_blocks: int,
-                       dtype: torch.dtype) -> PromptTuning | None:
+def make_prompt_tuning(
+    mode: str | None, pre_seq_len: int, head: nn.Module, hidden_size: int, num_blocks: int, dtype: torch.dtype
+) -> PromptTuning | None:
     """PromptTuning for `mode` (None: no tuning), its prompts initialised with the std of the token embeddings."""
     if mode is None:
         if pre_seq_len:

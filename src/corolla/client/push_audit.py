@@ -58,24 +58,39 @@ def answer_problem(output: torch.Tensor, step_input: torch.Tensor, answer: int |
     return None
 
 
-def judge_receipt(receipt: PushReceipt | None, *, pusher: str, receiver: str, secret: str, step_id: int,
-                  position: int, hypo_ids: Sequence[int] | None, digest: str, answer: int | None = None) -> Blame | None:
+def judge_receipt(
+    receipt: PushReceipt | None,
+    *,
+    pusher: str,
+    receiver: str,
+    secret: str,
+    step_id: int,
+    position: int,
+    hypo_ids: Sequence[int] | None,
+    digest: str,
+    answer: int | None = None,
+) -> Blame | None:
     """Whom to blame for the pushed input behind `receiver`'s answer to step `step_id` (see the module docstring);
     None when the receipt shows `receiver` got exactly what `pusher` told the client (`digest`: of the pusher's copy
     and the step's mask) as the step the client sent (`position`, `hypo_ids`, pushed on)."""
     if receipt is None:
         return Blame("receiver", "its answer to a pushed step carries no receipt of its input")
     if receipt.pusher != pusher or receipt.receiver != receiver:
-        return Blame("receiver", f"it presented a receipt from {receipt.pusher} to {receipt.receiver}, not from {pusher}")
+        return Blame(
+            "receiver", f"it presented a receipt from {receipt.pusher} to {receipt.receiver}, not from {pusher}"
+        )
     if not receipt_signed(receipt, secret):
         return Blame("receiver", f"it presented a receipt that is not {pusher}'s signature over this session's link")
     if receipt.step_id != step_id:
         return Blame("receiver", f"it answered step {step_id} with the receipt of step {receipt.step_id}")
     ids = None if hypo_ids is None else list(hypo_ids)
     if (receipt.position, receipt.hypo_ids, receipt.push, receipt.answer) != (position, ids, True, answer):
-        return Blame("pusher", f"it pushed step {step_id} at position {receipt.position} (hypo_ids {receipt.hypo_ids}, "
-                               f"push {receipt.push}, answer {receipt.answer}) where the client sent position "
-                               f"{position} (hypo_ids {ids}, answer {answer})")
+        return Blame(
+            "pusher",
+            f"it pushed step {step_id} at position {receipt.position} (hypo_ids {receipt.hypo_ids}, "
+            f"push {receipt.push}, answer {receipt.answer}) where the client sent position "
+            f"{position} (hypo_ids {ids}, answer {answer})",
+        )
     if receipt.digest != digest:
         return Blame("pusher", "it pushed other tensors than the output it returned to the client (signed receipt)")
     return None

@@ -80,11 +80,13 @@ class RemoteBlocks:
     async def forward(self, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None
                       ) -> tuple[Tensor, list[list[SpanRecord]]]:
         """hidden (B, T, H) -> (output (B, T, H), per chunk the records its backward needs)."""
-        sizes = chunk_sizes(hidden.shape[0], hidden[0].numel() * hidden.element_size(), self.manager.config.max_chunk_bytes)
+        sizes = chunk_sizes(
+            hidden.shape[0], hidden[0].numel() * hidden.element_size(), self.manager.config.max_chunk_bytes
+        )
         masks = [None] * len(sizes) if mask is None else mask.split(sizes)
-        results = await asyncio.gather(*(
-            self.forward_chunk(part, prompts, part_mask) for part, part_mask in zip(hidden.split(sizes), masks)
-        ))
+        results = await asyncio.gather(
+            *(self.forward_chunk(part, prompts, part_mask) for part, part_mask in zip(hidden.split(sizes), masks))
+        )
         return torch.cat([out for out, _ in results]), [records for _, records in results]
 
     async def backward(
@@ -92,16 +94,17 @@ class RemoteBlocks:
     ) -> tuple[Tensor, Tensor | None]:
         """Gradients w.r.t. the forward's hidden (B, T, H) and prompts, given grad_output (B, T, H)."""
         sizes = [records[0].inputs.shape[0] for records in chunks]
-        results = await asyncio.gather(*(
-            self.backward_chunk(records, grad, prompts) for records, grad in zip(chunks, grad_output.split(sizes))
-        ))
+        results = await asyncio.gather(
+            *(self.backward_chunk(records, grad, prompts) for records, grad in zip(chunks, grad_output.split(sizes)))
+        )
         grad_hidden = torch.cat([grad for grad, _ in results])
         grad_prompts = None if prompts is None else torch.stack([gp for _, gp in results]).sum(0)
         return grad_hidden, grad_prompts
 
     # ------------------------------------------------------------------ one chunk
-    async def forward_chunk(self, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None
-                            ) -> tuple[Tensor, list[SpanRecord]]:
+    async def forward_chunk(
+        self, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None
+    ) -> tuple[Tensor, list[SpanRecord]]:
         """Run hidden (b, T, H) through blocks [start, end), re-routing around failing servers."""
         block, x, failures, records = self.start, hidden, 0, []
         while block < self.end:
@@ -120,24 +123,36 @@ class RemoteBlocks:
                 x, block = out, span.end
         return x, records
 
-    async def backward_chunk(self, records: list[SpanRecord], grad: Tensor, prompts: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    async def backward_chunk(
+        self, records: list[SpanRecord], grad: Tensor, prompts: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
         """Backpropagate grad (b, T, H) through the recorded spans in reverse; returns (grad_hidden, grad_prompts)."""
         grad_prompts = None if prompts is None else torch.zeros_like(prompts)
         for record in reversed(records):
             span = record.span
             try:
-                grad, span_grad = await self.backward_span(span, record.inputs, grad, self._prompts_of(prompts, span), record.mask)
+                grad, span_grad = await self.backward_span(
+                    span, record.inputs, grad, self._prompts_of(prompts, span), record.mask
+                )
                 self.manager.forgive(span.peer_id)
                 self._accumulate(grad_prompts, span, span_grad)
             except (PeerUnavailable, RemoteError) as e:
                 failures = self.manager.after_failure(e, 0, span)
                 await self.manager.backoff(failures)
-                grad = await self._backward_rerouted(span.start, span.end, record, grad, prompts, grad_prompts, failures)
+                grad = await self._backward_rerouted(
+                    span.start, span.end, record, grad, prompts, grad_prompts, failures
+                )
         return grad, grad_prompts
 
     async def _backward_rerouted(
-        self, start: int, end: int, record: SpanRecord, grad: Tensor, prompts: Tensor | None,
-        grad_prompts: Tensor | None, failures: int,
+        self,
+        start: int,
+        end: int,
+        record: SpanRecord,
+        grad: Tensor,
+        prompts: Tensor | None,
+        grad_prompts: Tensor | None,
+        failures: int,
     ) -> Tensor:
         """Backward over [start, end) on a fresh route, from the failed span's record: recompute the route's
         intermediate inputs, then go in reverse. Adds the prompts' gradients into grad_prompts; returns the gradient
@@ -164,15 +179,24 @@ class RemoteBlocks:
             return g
 
     # ------------------------------------------------------------------ one request
-    async def forward_span(self, span: Span, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None = None,
-                           emulate: ComputeKind | None = None, codec: str | None = None) -> Tensor:
+    async def forward_span(
+        self,
+        span: Span,
+        hidden: Tensor,
+        prompts: Tensor | None,
+        mask: Tensor | None = None,
+        emulate: ComputeKind | None = None,
+        codec: str | None = None,
+    ) -> Tensor:
         """rpc_forward of hidden (b, T, H) over one span; prompts (span blocks, P, H) or None; mask (b, T) or None;
         `emulate`: computed as a server of that kind would (spot checks; server.emulation); `codec`: how the hidden
         states travel both ways (default ClientConfig.compression)."""
         tensors = _with_extras({"hidden": hidden}, mask, prompts)
         request = ForwardRequest(
-            protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
-            active_adapter=self.manager.config.active_adapter, emulate=emulate,
+            protocol_version=PROTOCOL_VERSION,
+            blocks=BlockRange(start=span.start, end=span.end),
+            active_adapter=self.manager.config.active_adapter,
+            emulate=emulate,
             codec=self.manager.config.compression if codec is None else codec,
         )
         reply, out = await self._call(span.peer_id, "forward", request, tensors)
@@ -186,18 +210,27 @@ class RemoteBlocks:
         """rpc_backward over one span: (grad w.r.t. hidden (b, T, H), grad w.r.t. prompts or None)."""
         tensors = _with_extras({"hidden": hidden, "grad_output": grad.to(hidden.dtype)}, mask, prompts)
         request = BackwardRequest(
-            protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
-            active_adapter=self.manager.config.active_adapter, codec=self.manager.config.compression,
+            protocol_version=PROTOCOL_VERSION,
+            blocks=BlockRange(start=span.start, end=span.end),
+            active_adapter=self.manager.config.active_adapter,
+            codec=self.manager.config.compression,
         )
         reply, out = await self._call(span.peer_id, "backward", request, tensors)
         grad_prompts = out.get("grad_prompts")
-        if not isinstance(reply, BackwardResult) or out["grad_hidden"].shape != hidden.shape or (
-            (grad_prompts is None) != (prompts is None) or (prompts is not None and grad_prompts.shape != prompts.shape)
+        if (
+            not isinstance(reply, BackwardResult)
+            or out["grad_hidden"].shape != hidden.shape
+            or (
+                (grad_prompts is None) != (prompts is None)
+                or (prompts is not None and grad_prompts.shape != prompts.shape)
+            )
         ):
             raise PeerUnavailable(f"server {span.peer_id} sent a malformed backward result")
         return out["grad_hidden"].to(hidden.dtype), (None if prompts is None else grad_prompts.to(prompts.dtype))
 
-    async def _call(self, peer_id: str, verb: str, request: ForwardRequest | BackwardRequest, tensors: dict[str, Tensor]):
+    async def _call(
+        self, peer_id: str, verb: str, request: ForwardRequest | BackwardRequest, tensors: dict[str, Tensor]
+    ):
         config = self.manager.config
         connection = await Connection.open(self.manager.node.p2p, peer_id, verb, config.connect_timeout)
         try:
@@ -228,8 +261,13 @@ class RemoteBlocksFunction(torch.autograd.Function):
     differentiable in hidden and prompts."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, prompts: Tensor | None, mask: Tensor | None,  # type: ignore[override]
-                blocks: RemoteBlocks) -> Tensor:
+    def forward(
+        ctx,
+        hidden: Tensor,
+        prompts: Tensor | None,
+        mask: Tensor | None,  # type: ignore[override]
+        blocks: RemoteBlocks,
+    ) -> Tensor:
         prompts = None if prompts is None else prompts.detach()
         output, chunks = run_sync(blocks.forward(hidden.detach(), prompts, mask))
         ctx.blocks, ctx.chunks, ctx.prompts = blocks, chunks, prompts

@@ -49,28 +49,54 @@ class RemoteSequential(nn.Module):
         mask = None
         if attention_mask is not None:
             if tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
-                raise ValueError(f"attention_mask must have shape {tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}")
+                raise ValueError(
+                    f"attention_mask must have shape {tuple(hidden.shape[:2])}, got {tuple(attention_mask.shape)}"
+                )
             mask = None if bool(attention_mask.all()) else attention_mask.to(torch.bool).cpu()
-        if prompts is not None and (prompts.ndim != 3 or prompts.shape[0] != len(self) or prompts.shape[2] != hidden.shape[2]
-                                    or not 1 <= prompts.shape[1] <= hidden.shape[1]):
-            raise ValueError(f"deep prompts must have shape ({len(self)}, P, {hidden.shape[2]}) with 1 <= P <= "
-                             f"{hidden.shape[1]}, got {tuple(prompts.shape)}")
+        if prompts is not None and (
+            prompts.ndim != 3
+            or prompts.shape[0] != len(self)
+            or prompts.shape[2] != hidden.shape[2]
+            or not 1 <= prompts.shape[1] <= hidden.shape[1]
+        ):
+            raise ValueError(
+                f"deep prompts must have shape ({len(self)}, P, {hidden.shape[2]}) with 1 <= P <= "
+                f"{hidden.shape[1]}, got {tuple(prompts.shape)}"
+            )
         if prompts is not None and mask is not None and not bool(mask[:, : prompts.shape[1]].all()):
-            raise ValueError(f"with deep prompts, the first {prompts.shape[1]} slots of every row must be real "
-                             "(attention_mask 1): pad after them")
+            raise ValueError(
+                f"with deep prompts, the first {prompts.shape[1]} slots of every row must be real "
+                "(attention_mask 1): pad after them"
+            )
         needs_grad = hidden.requires_grad or (prompts is not None and prompts.requires_grad)
         if torch.is_grad_enabled() and needs_grad:
             return RemoteBlocksFunction.apply(hidden, prompts, mask, self.remote_blocks)
-        return run_sync(self.remote_blocks.forward(hidden.detach(), None if prompts is None else prompts.detach(), mask))[0]
+        return run_sync(
+            self.remote_blocks.forward(hidden.detach(), None if prompts is None else prompts.detach(), mask)
+        )[0]
 
     @property
     def remote_blocks(self) -> RemoteBlocks:
         """Chunked forward/backward passes over this module's blocks (what autograd uses)."""
         return RemoteBlocks(self.manager, self.start, self.end)
 
-    def inference_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None,
-                          prompts: torch.Tensor | None = None, prefix: torch.Tensor | None = None) -> InferenceSession:
+    def inference_session(
+        self,
+        max_length: int,
+        batch_size: int = 1,
+        active_adapter: str | None = None,
+        prompts: torch.Tensor | None = None,
+        prefix: torch.Tensor | None = None,
+    ) -> InferenceSession:
         """A KV-cached session over this module's blocks; `prompts` (len(self), P, H) are deep prompts, and `prefix`
         (P, H) prompt-tuning prompts sent before the first token (see InferenceSession)."""
-        return InferenceSession(self.manager, max_length, batch_size, start=self.start, end=self.end,
-                                active_adapter=active_adapter, prompts=prompts, prefix=prefix)
+        return InferenceSession(
+            self.manager,
+            max_length,
+            batch_size,
+            start=self.start,
+            end=self.end,
+            active_adapter=active_adapter,
+            prompts=prompts,
+            prefix=prefix,
+        )

@@ -317,8 +317,18 @@ def sample_route(
     return spans
 
 
-def uncovered_blocks(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, banned: frozenset[str] | set[str] = frozenset(),
-                     adapter: str | None = None, allowed_quant: Collection[str] | None = None) -> list[int]:
-    """Blocks in [start, end) with no usable (ONLINE, unbanned, with `adapter` if given, allowed quantization) server."""
-    return [b for b in range(start, end)
-            if next(usable_servers(block_servers, b, banned, adapter, allowed_quant), None) is None]
+def uncovered_blocks(
+    block_servers: Sequence[Mapping[str, ServerInfo]],
+    start: int,
+    end: int,
+    banned: frozenset[str] | set[str] = frozenset(),
+    adapter: str | None = None,
+    allowed_quant: Collection[str] | None = None,
+) -> list[int]:
+    """Blocks in [start, end) with no usable (ONLINE, unbanned, with `adapter` if given, allowed quantization)
+    server."""
+    return [
+        b
+        for b in range(start, end)
+        if next(usable_servers(block_servers, b, banned, adapter, allowed_quant), None) is None
+    ]

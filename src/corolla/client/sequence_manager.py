@@ -100,8 +100,11 @@ class SequenceManager:
     async def _measure_rtts(self) -> None:
         now = time.monotonic()
         peers = {
-            peer for servers in self.block_servers for peer, info in servers.items()
-            if info.state == ServerState.ONLINE and now - self._measured_at.get(peer, -float("inf")) > self.config.update_period
+            peer
+            for servers in self.block_servers
+            for peer, info in servers.items()
+            if info.state == ServerState.ONLINE
+            and now - self._measured_at.get(peer, -float("inf")) > self.config.update_period
         }
         await asyncio.gather(*(self._ping(peer) for peer in sorted(peers)))
 
@@ -109,8 +112,13 @@ class SequenceManager:
         """Measure the round trip to `peer_id` (dht.ping, as servers measure theirs) into `rtts`; a peer that
         cannot be dialed is banned as unreachable, one that answers again has such a ban lifted."""
         try:
-            sample = await ping(self.node, peer_id, self._announced_maddrs(peer_id),
-                                connect_timeout=self.config.connect_timeout, timeout=self.config.ping_timeout)
+            sample = await ping(
+                self.node,
+                peer_id,
+                self._announced_maddrs(peer_id),
+                connect_timeout=self.config.connect_timeout,
+                timeout=self.config.ping_timeout,
+            )
         except PeerUnavailable as e:
             logger.debug("ping to %s failed: %s", peer_id, e)
             if isinstance(e, PeerUnreachable) and peer_id not in self.banned(unreachable_only=True):
@@ -157,8 +165,13 @@ class SequenceManager:
         if unreachable:
             duration = max(duration, self.config.unreachable_ban)
         self._bans[peer_id] = _Ban(until=time.monotonic() + duration, failures=failures, unreachable=unreachable)
-        logger.info("banned peer=%s for %.1fs after %d failure(s)%s", peer_id, duration, failures,
-                    " (unreachable)" if unreachable else "")
+        logger.info(
+            "banned peer=%s for %.1fs after %d failure(s)%s",
+            peer_id,
+            duration,
+            failures,
+            " (unreachable)" if unreachable else "",
+        )
         if not unreachable:
             self._probe(peer_id)
 
@@ -186,10 +199,16 @@ class SequenceManager:
         failures += 0 if unreachable else 1
         if failures > self.config.max_retries:
             if isinstance(error, RemoteError) and error.code == ErrorCode.SERVER_FULL.value:
-                raise AllocationFailed(f"no server of blocks {span.start}:{span.end} could hold the session "
-                                       f"after {failures} attempts; last answer: {error}") from error
-            raise PeerUnavailable(f"blocks {span.start}:{span.end} failed {failures} times; last error: {error}") from error
-        logger.warning("server %s failed on blocks %d:%d (%s); routing around it", span.peer_id, span.start, span.end, error)
+                raise AllocationFailed(
+                    f"no server of blocks {span.start}:{span.end} could hold the session "
+                    f"after {failures} attempts; last answer: {error}"
+                ) from error
+            raise PeerUnavailable(
+                f"blocks {span.start}:{span.end} failed {failures} times; last error: {error}"
+            ) from error
+        logger.warning(
+            "server %s failed on blocks %d:%d (%s); routing around it", span.peer_id, span.start, span.end, error
+        )
         self.ban(span.peer_id, unreachable=unreachable)
         if isinstance(error, RemoteError) and error.code == ErrorCode.NOT_SERVED.value:
             self.invalidate()  # that server moved: our view of the swarm is stale
@@ -206,8 +225,9 @@ class SequenceManager:
         self._bans.pop(peer_id, None)
 
     # ------------------------------------------------------------------ routes
-    async def make_route(self, start: int, end: int, cache_tokens_needed: int = 0, adapter: str | None = None,
-                         push: bool | None = None) -> list[Span]:
+    async def make_route(
+        self, start: int, end: int, cache_tokens_needed: int = 0, adapter: str | None = None, push: bool | None = None
+    ) -> list[Span]:
         """The fastest chain of spans covering [start, end) for an inference session (see routing.find_route),
         through servers holding LoRA `adapter` (default: the client's `active_adapter`).
 
@@ -223,19 +243,40 @@ class SequenceManager:
 
         def plan(banned: set[str]) -> list[Span] | None:
             return find_route(
-                self.block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
-                hop_cost=self.config.hop_cost, rtts=self.rtts, default_rtt=self.config.default_rtt,
-                adapter=adapter, allowed_quant=self.config.allowed_quant, relay_cost=self.config.relay_cost,
-                push=push, measured=self.speeds,
+                self.block_servers,
+                start,
+                end,
+                banned=banned,
+                cache_tokens_needed=cache_tokens_needed,
+                hop_cost=self.config.hop_cost,
+                rtts=self.rtts,
+                default_rtt=self.config.default_rtt,
+                adapter=adapter,
+                allowed_quant=self.config.allowed_quant,
+                relay_cost=self.config.relay_cost,
+                push=push,
+                measured=self.speeds,
             )
 
         return await self._route(start, end, plan, adapter)
 
     async def make_forward_route(self, start: int, end: int) -> list[Span]:
         """A chain for a stateless forward/backward pass, drawn in proportion to server throughput."""
-        return await self._route(start, end, lambda banned: sample_route(
-            self.block_servers, start, end, self._rng, banned=banned, adapter=self.config.active_adapter,
-            allowed_quant=self.config.allowed_quant, measured=self.speeds), self.config.active_adapter)
+        return await self._route(
+            start,
+            end,
+            lambda banned: sample_route(
+                self.block_servers,
+                start,
+                end,
+                self._rng,
+                banned=banned,
+                adapter=self.config.active_adapter,
+                allowed_quant=self.config.allowed_quant,
+                measured=self.speeds,
+            ),
+            self.config.active_adapter,
+        )
 
     async def _route(self, start: int, end: int, plan, adapter: str | None) -> list[Span]:
         """plan(banned) with every ban, else with only unreachable peers excluded; waits up to missing_blocks_wait
@@ -260,16 +301,24 @@ class SequenceManager:
         blocks = uncovered_blocks(self.block_servers, start, end, banned, adapter, allowed)
         error = MissingBlocks(blocks)
         if adapter is not None:
-            error = MissingBlocks(blocks, f"{error} with the LoRA adapter {adapter!r} (servers load adapters with "
-                                          f"`corolla serve ... --adapters`)")
+            error = MissingBlocks(
+                blocks,
+                f"{error} with the LoRA adapter {adapter!r} (servers load adapters with "
+                f"`corolla serve ... --adapters`)",
+            )
         if allowed is None:
             return error
-        excluded = sorted({info.quant for b in blocks for _, info in usable_servers(self.block_servers, b, banned, adapter)})
+        excluded = sorted(
+            {info.quant for b in blocks for _, info in usable_servers(self.block_servers, b, banned, adapter)}
+        )
         if not excluded:
             return error
-        return MissingBlocks(blocks, f"{error} with quantization in {tuple(map(str, allowed))}: the servers holding "
-                                     f"them announce quantization {list(map(str, excluded))}, which "
-                                     "ClientConfig.allowed_quant excludes")
+        return MissingBlocks(
+            blocks,
+            f"{error} with quantization in {tuple(map(str, allowed))}: the servers holding "
+            f"them announce quantization {list(map(str, excluded))}, which "
+            "ClientConfig.allowed_quant excludes",
+        )
 
     async def close(self) -> None:
         for task in [self._pings, *self._probes]:

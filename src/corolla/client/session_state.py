@@ -144,7 +144,8 @@ class SessionState:
     def reorder(self, hypo_ids: list[int]) -> None:
         """Row i continues what row hypo_ids[i] holds; ids and mask follow now, the servers with the next step."""
         if len(hypo_ids) != self.batch_size or not all(0 <= i < self.batch_size for i in hypo_ids):
-            raise ValueError(f"hypo_ids must be {self.batch_size} row indices in [0, {self.batch_size}), got {hypo_ids}")
+            raise ValueError(
+                f"hypo_ids must be {self.batch_size} row indices in [0, {self.batch_size}), got {hypo_ids}")
         if self.hypo_ids is None:
             self._replay_mask = self.positions_mask(self.position)
         self.hypo_ids = list(hypo_ids) if self.hypo_ids is None else [self.hypo_ids[i] for i in hypo_ids]

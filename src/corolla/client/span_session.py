@@ -59,9 +59,18 @@ class Pushed:
 class SpanSession:
     """The stream to one server for blocks [span.start, span.end), with the inputs it has been sent."""
 
-    def __init__(self, span: Span, connection: Connection, next_id: Callable[[], int], prompts: torch.Tensor | None = None,
-                 session_id: str = "", source: PushSource | None = None, target: PushTarget | None = None,
-                 secret: str = "", codec: str = "none"):
+    def __init__(
+        self,
+        span: Span,
+        connection: Connection,
+        next_id: Callable[[], int],
+        prompts: torch.Tensor | None = None,
+        session_id: str = "",
+        source: PushSource | None = None,
+        target: PushTarget | None = None,
+        secret: str = "",
+        codec: str = "none",
+    ):
         self.span = span
         self.connection = connection
         self.next_id = next_id  # the session's step ids: one counter for every span, so a pushed step keeps its id
@@ -78,17 +87,33 @@ class SpanSession:
         self.first_output = 0
 
     @classmethod
-    async def open(cls, manager: SequenceManager, span: Span, max_length: int, batch_size: int, config: ClientConfig,
-                   next_id: Callable[[], int], prompts: torch.Tensor | None = None, secret: str | None = None,
-                   source: PushSource | None = None, target: PushTarget | None = None) -> SpanSession:
+    async def open(
+        cls,
+        manager: SequenceManager,
+        span: Span,
+        max_length: int,
+        batch_size: int,
+        config: ClientConfig,
+        next_id: Callable[[], int],
+        prompts: torch.Tensor | None = None,
+        secret: str | None = None,
+        source: PushSource | None = None,
+        target: PushTarget | None = None,
+    ) -> SpanSession:
         """Open a session on span's server with push links `source` / `target` (`secret`: the one `target` names)."""
         connection = await Connection.open(manager.node.p2p, span.peer_id, "inference", config.connect_timeout)
         try:
             await connection.send(
                 OpenSession(
-                    protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=span.start, end=span.end),
-                    max_length=max_length, batch_size=batch_size, alloc_timeout=config.alloc_timeout,
-                    active_adapter=config.active_adapter, push_from=source, push_to=target, codec=config.compression,
+                    protocol_version=PROTOCOL_VERSION,
+                    blocks=BlockRange(start=span.start, end=span.end),
+                    max_length=max_length,
+                    batch_size=batch_size,
+                    alloc_timeout=config.alloc_timeout,
+                    active_adapter=config.active_adapter,
+                    push_from=source,
+                    push_to=target,
+                    codec=config.compression,
                 )
             )
             reply, _ = await connection.receive(config.connect_timeout + config.alloc_timeout)
@@ -97,8 +122,17 @@ class SpanSession:
         except BaseException:
             connection.close()
             raise
-        return cls(span, connection, next_id, prompts, reply.session_id, source, target, secret or new_secret(),
-                   config.compression)
+        return cls(
+            span,
+            connection,
+            next_id,
+            prompts,
+            reply.session_id,
+            source,
+            target,
+            secret or new_secret(),
+            config.compression,
+        )
 
     def hop(self) -> RouteHop:
         """This span as push links see it."""
@@ -112,8 +146,15 @@ class SpanSession:
             raise PeerUnavailable(f"server {self.span.peer_id} answered set_push with {reply.kind}")
         self.source, self.target = source, target
 
-    async def step(self, hidden: torch.Tensor, position: int, timeout: float, mask: torch.Tensor | None = None,
-                   hypo_ids: list[int] | None = None, answer: int | None = None) -> torch.Tensor:
+    async def step(
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        timeout: float,
+        mask: torch.Tensor | None = None,
+        hypo_ids: list[int] | None = None,
+        answer: int | None = None,
+    ) -> torch.Tensor:
         """Send hidden (B, T, H) at `position`, wait for the span's output (B, T, H), record the input, return it.
 
         `mask` (B, position + T) is the attention mask of the whole session, sent only for padded batches;
@@ -126,8 +167,15 @@ class SpanSession:
         self.record(hidden, position, hypo_ids)
         return output
 
-    async def send(self, hidden: torch.Tensor, position: int, mask: torch.Tensor | None = None,
-                   hypo_ids: list[int] | None = None, push: bool = False, answer: int | None = None) -> int:
+    async def send(
+        self,
+        hidden: torch.Tensor,
+        position: int,
+        mask: torch.Tensor | None = None,
+        hypo_ids: list[int] | None = None,
+        push: bool = False,
+        answer: int | None = None,
+    ) -> int:
         """Send a step (see `step`); with `push`, the server also pushes its output on to its target, and `answer`
         applies to the route's last server. Returns the step's id."""
         self.step_id = self.next_id()
@@ -136,13 +184,23 @@ class SpanSession:
             tensors["attention_mask"] = mask
         if self.prompts is not None and position < self.prompts.shape[1]:
             tensors["prompts"] = self.prompts
-        await self.connection.send(InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids, push=push,
-                                                 answer=answer), tensors, self.codec)
+        await self.connection.send(
+            InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids, push=push, answer=answer),
+            tensors,
+            self.codec,
+        )
         return self.step_id
 
-    async def receive(self, step_input: torch.Tensor, timeout: float, pushed: Pushed | None = None,
-                      position: int = 0, hypo_ids: list[int] | None = None, step_id: int | None = None,
-                      answer: int | None = None) -> torch.Tensor:
+    async def receive(
+        self,
+        step_input: torch.Tensor,
+        timeout: float,
+        pushed: Pushed | None = None,
+        position: int = 0,
+        hypo_ids: list[int] | None = None,
+        step_id: int | None = None,
+        answer: int | None = None,
+    ) -> torch.Tensor:
         """The checked answer to step `step_id` (default: the last one sent or pushed, `self.step_id`), whose input
         was `step_input` (sent by us, or `pushed` by the server before: then its receipt is judged, with the step's
         `position` and `hypo_ids`; `answer`: the step asked the route's last server for only its last positions, and
@@ -161,9 +219,17 @@ class SpanSession:
         if not isinstance(reply, (StepResult, PushRefused)) or reply.step_id != expected:
             raise PeerUnavailable(f"server {peer} answered step {expected} with {reply.kind}")
         if pushed is not None:
-            blame = judge_receipt(reply.receipt, pusher=pushed.pusher, receiver=peer, secret=pushed.secret,
-                                  step_id=expected, position=position, hypo_ids=hypo_ids, digest=pushed.digest,
-                                  answer=pushed.answer)
+            blame = judge_receipt(
+                reply.receipt,
+                pusher=pushed.pusher,
+                receiver=peer,
+                secret=pushed.secret,
+                step_id=expected,
+                position=position,
+                hypo_ids=hypo_ids,
+                digest=pushed.digest,
+                answer=pushed.answer,
+            )
             if blame is None and isinstance(reply, PushRefused):
                 blame = Blame("receiver", f"it refused a well-formed push ({reply.reason})")
             if blame is not None:
@@ -199,7 +265,9 @@ def new_secret() -> str:
     return secrets.token_hex(16)
 
 
-def pushed_by(pusher: SpanSession, output: torch.Tensor, mask: torch.Tensor | None, answer: int | None = None) -> Pushed:
+def pushed_by(
+    pusher: SpanSession, output: torch.Tensor, mask: torch.Tensor | None, answer: int | None = None
+) -> Pushed:
     """What the span after `pusher` must show it received: `pusher`'s `output` (its copy) with the step's `mask`, as
     a step asking `answer` of the route's last server."""
     return Pushed(pusher.span.peer_id, pusher.secret, tensor_digest(output, mask), answer)

@@ -1,4 +1,5 @@
-"""Speculative decoding: several tokens per round trip to the swarm, the same tokens (or distribution) as plain decoding.
+"""Speculative decoding: several tokens per round trip to the swarm, the same tokens (or distribution) as plain
+decoding.
 
 Each step a drafter proposes up to k tokens per row after the sequence (n-grams of the context, or a small local
 model), the verifier runs [the last accepted token, the draft] through the swarm as one session step (k + 1 positions,
@@ -79,9 +80,20 @@ class Verifier(Protocol):
         ...
 
 
-def speculative_decode(verifier: Verifier, drafter: Drafter, sequence: Tensor, mask: Tensor | None, *,
-                       do_sample: bool, processors: LogitsProcessorList, criteria: StoppingCriteriaList,
-                       max_length: int, pad: int | None, has_eos: bool, streamer: Any = None) -> Tensor:
+def speculative_decode(
+    verifier: Verifier,
+    drafter: Drafter,
+    sequence: Tensor,
+    mask: Tensor | None,
+    *,
+    do_sample: bool,
+    processors: LogitsProcessorList,
+    criteria: StoppingCriteriaList,
+    max_length: int,
+    pad: int | None,
+    has_eos: bool,
+    streamer: Any = None,
+) -> Tensor:
     """Decode from `sequence` (rows, s) until every row meets a stopping criterion; returns the whole sequence.
 
     `mask` (rows, s) is the sequence's attention mask (left padding) or None. `max_length` bounds the sequence's
@@ -118,8 +130,12 @@ def speculative_decode(verifier: Verifier, drafter: Drafter, sequence: Tensor, m
         verifier.settle(sequence)
         drafter.update(appended - 1, draft.tokens.shape[1])
         if not bool(unfinished.any()):
-            logger.debug("speculative decoding: %d tokens in %d steps, %d draft tokens sent",
-                         sequence.shape[1] - start, steps, drafted_total)
+            logger.debug(
+                "speculative decoding: %d tokens in %d steps, %d draft tokens sent",
+                sequence.shape[1] - start,
+                steps,
+                drafted_total,
+            )
             return sequence
 
 

@@ -45,9 +45,22 @@ from corolla.client.remote_autograd import RemoteBlocks
 from corolla.client.reputation import Reputation
 from corolla.client.referee import Referee
 from corolla.client.routing import Span
-from corolla.client.verification import (EXACT, CheckPlan, Rewind, Verdict, codec_tolerance, kind_of, kind_tolerance, opinion_tolerance,
-                                         plan_checkers, referee_verdict, relative_error, rewind_position, sequence_rewind,
-                                         settle)
+from corolla.client.verification import (
+    EXACT,
+    CheckPlan,
+    Rewind,
+    Verdict,
+    codec_tolerance,
+    kind_of,
+    kind_tolerance,
+    opinion_tolerance,
+    plan_checkers,
+    referee_verdict,
+    relative_error,
+    rewind_position,
+    sequence_rewind,
+    settle,
+)
 from corolla.protocol.errors import PeerUnavailable, RemoteError
 from corolla.protocol.messages import ErrorCode, ServerInfo, ServerState
 
@@ -75,7 +88,8 @@ class Dispute:
 
 
 class ClientChecks:
-    """What every session of one client shares: the reputation record and the random draws (ClientConfig.verify_seed)."""
+    """What every session of one client shares: the reputation record and the random draws
+    (ClientConfig.verify_seed)."""
 
     def __init__(self, manager: SequenceManager):
         self.manager = manager
@@ -107,8 +121,13 @@ class ClientChecks:
         servers = self.manager.block_servers
         found = []
         for peer, info in sorted(servers[span.start].items()):
-            if (peer not in skip and info.state == ServerState.ONLINE and info.start_block <= span.start
-                    and info.end_block >= span.end and all(peer in servers[b] for b in range(span.start, span.end))):
+            if (
+                peer not in skip
+                and info.state == ServerState.ONLINE
+                and info.start_block <= span.start
+                and info.end_block >= span.end
+                and all(peer in servers[b] for b in range(span.start, span.end))
+            ):
                 found.append((peer, info))
         return found
 
@@ -140,8 +159,9 @@ class SessionChecks:
         self.disputes: list[Dispute] = []  # disagreements nothing settled: the session's output is unverified
 
     # ------------------------------------------------------------------ on the event loop, after each span's step
-    def after_step(self, span_session, position: int, output: Tensor, prompts: Tensor | None, end: int | None = None
-                   ) -> None:
+    def after_step(
+        self, span_session, position: int, output: Tensor, prompts: Tensor | None, end: int | None = None
+    ) -> None:
         """Maybe start a check of `span_session`'s answer `output` (B, t, H): the last t positions of its output for
         the step from `position` to `end` (default: position + t; its input is span_session.history's positions from
         `position`). Never blocks and never raises."""
@@ -157,7 +177,8 @@ class SessionChecks:
         if must:
             self.first_checks.add(span.peer_id)
         task = asyncio.get_running_loop().create_task(
-            self._guarded(span, history, output.detach(), prompts, span_session.first_output))
+            self._guarded(span, history, output.detach(), prompts, span_session.first_output)
+        )
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -173,7 +194,9 @@ class SessionChecks:
         self.client.save(now=True)
 
     # ------------------------------------------------------------------ one check
-    async def _guarded(self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int) -> None:
+    async def _guarded(
+        self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int
+    ) -> None:
         """`_check`, whose unexpected errors are logged: a check must never break the session it watches."""
         try:
             await self._check(span, inputs, output, prompts, first_output)
@@ -184,7 +207,9 @@ class SessionChecks:
         finally:
             self.first_checks.discard(span.peer_id)
 
-    async def _check(self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int) -> None:
+    async def _check(
+        self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int
+    ) -> None:
         client = self.client
         suspect = span.peer_id
         suspect_info = client.info(suspect, span.start)
@@ -210,11 +235,26 @@ class SessionChecks:
             client.reputation.passed(suspect)
             client.reputation.passed(checker.peer_id)
             client.save()
-            logger.debug("spot check %s vs %s on %d:%d: %.2e <= %.2e", suspect[-6:], checker.peer_id[-6:], span.start,
-                         span.end, err, tol)
+            logger.debug(
+                "spot check %s vs %s on %d:%d: %.2e <= %.2e",
+                suspect[-6:],
+                checker.peer_id[-6:],
+                span.start,
+                span.end,
+                err,
+                tol,
+            )
             return
-        logger.warning("spot check mismatch on blocks %d:%d: peer=%s vs checker=%s relative error %.3e > %.1e; "
-                       "asking for another opinion", span.start, span.end, suspect, checker.peer_id, err, tol)
+        logger.warning(
+            "spot check mismatch on blocks %d:%d: peer=%s vs checker=%s relative error %.3e > %.1e; "
+            "asking for another opinion",
+            span.start,
+            span.end,
+            suspect,
+            checker.peer_id,
+            err,
+            tol,
+        )
         verdict: Verdict = "dispute"
         thirds = plan_checkers(suspect_info, client.holders(span, {suspect, checker.peer_id}), emulation=plain)
         while verdict == "dispute" and thirds:
@@ -224,8 +264,12 @@ class SessionChecks:
             third, tie = opinion
             thirds = [[p for p in tier if p.peer_id != third.peer_id] for tier in thirds]
             thirds = [tier for tier in thirds if tier]
-            verdict = settle(relative_error(output, tie), opinion_tolerance(suspect_kind, third.kind) + widen,
-                             relative_error(reference, tie), opinion_tolerance(checker.kind, third.kind))
+            verdict = settle(
+                relative_error(output, tie),
+                opinion_tolerance(suspect_kind, third.kind) + widen,
+                relative_error(reference, tie),
+                opinion_tolerance(checker.kind, third.kind),
+            )
             logger.warning("third opinion from peer=%s: %s", third.peer_id, verdict)
             if verdict in ("ban_checker", "ban_suspect"):
                 client.reputation.passed(third.peer_id)  # it agreed with the one kept
@@ -235,23 +279,38 @@ class SessionChecks:
             try:
                 truth = (await referee.forward(inputs, span.start, span.end, kind))[:, -t:]
             except Exception as e:  # the checkpoint could not be read: the dispute stands
-                logger.warning("the client could not compute blocks %d:%d itself (%s): dispute unsettled",
-                               span.start, span.end, e)
+                logger.warning(
+                    "the client could not compute blocks %d:%d itself (%s): dispute unsettled", span.start, span.end, e
+                )
             else:
-                verdict = referee_verdict(relative_error(output, truth), kind_tolerance(kind) + widen,
-                                          relative_error(reference, truth), opinion_tolerance(checker.kind, kind))
+                verdict = referee_verdict(
+                    relative_error(output, truth),
+                    kind_tolerance(kind) + widen,
+                    relative_error(reference, truth),
+                    opinion_tolerance(checker.kind, kind),
+                )
                 logger.warning("the client computed blocks %d:%d itself: %s", span.start, span.end, verdict)
         if verdict == "dispute":
             self.disputes.append(Dispute(span.start, span.end, suspect, checker.peer_id, err, tol))
-            logger.warning("UNVERIFIED: servers %s and %s disagree on blocks %d:%d (%.2e > %.1e) and nothing settled "
-                           "it; the session's output is unverified", suspect, checker.peer_id, span.start, span.end,
-                           err, tol)
+            logger.warning(
+                "UNVERIFIED: servers %s and %s disagree on blocks %d:%d (%.2e > %.1e) and nothing settled "
+                "it; the session's output is unverified",
+                suspect,
+                checker.peer_id,
+                span.start,
+                span.end,
+                err,
+                tol,
+            )
             client.save(now=True)
             return
         if verdict in ("ban_suspect", "ban_both"):
             client.reputation.failed(suspect, distrust=True)
-            client.distrust(suspect, f"its outputs of blocks {span.start}:{span.end} are wrong (checked by "
-                                     f"{checker.peer_id}, settled by another opinion)")
+            client.distrust(
+                suspect,
+                f"its outputs of blocks {span.start}:{span.end} are wrong (checked by "
+                f"{checker.peer_id}, settled by another opinion)",
+            )
             position = rewind_position(first_output)
             if suspect not in self.replaced and (self.rewind is None or position < self.rewind.position):
                 self.rewind = Rewind(position, suspect)
@@ -259,12 +318,20 @@ class SessionChecks:
             client.reputation.passed(suspect)
         if verdict in ("ban_checker", "ban_both"):
             client.reputation.failed(checker.peer_id, distrust=True)
-            client.distrust(checker.peer_id, f"its outputs of blocks {span.start}:{span.end} are wrong (settled by "
-                                             "another opinion)")
+            client.distrust(
+                checker.peer_id, f"its outputs of blocks {span.start}:{span.end} are wrong (settled by another opinion)"
+            )
         client.save(now=True)
 
-    async def _opinion(self, tiers: list[list[CheckPlan]], blocks: RemoteBlocks, span: Span, inputs: Tensor,
-                       prompts: Tensor | None, t: int) -> tuple[CheckPlan, Tensor] | None:
+    async def _opinion(
+        self,
+        tiers: list[list[CheckPlan]],
+        blocks: RemoteBlocks,
+        span: Span,
+        inputs: Tensor,
+        prompts: Tensor | None,
+        t: int,
+    ) -> tuple[CheckPlan, Tensor] | None:
         """An opinion on the span's last `t` outputs from a candidate of the best tier (drawn at random); a candidate
         that fails to answer counts against itself and the next one is asked (up to MAX_CHECKER_TRIES)."""
         client = self.client
@@ -276,8 +343,9 @@ class SessionChecks:
             tier = candidates[0]
             plan = tier.pop(client.pick_rng.randrange(len(tier)))
             try:
-                out = await blocks.forward_span(Span(plan.peer_id, span.start, span.end), inputs, prompts,
-                                                emulate=plan.emulate, codec="none")  # opinions travel exact
+                out = await blocks.forward_span(
+                    Span(plan.peer_id, span.start, span.end), inputs, prompts, emulate=plan.emulate, codec="none"
+                )  # opinions travel exact
             except RemoteError as e:
                 if e.code == ErrorCode.BAD_REQUEST:  # it cannot compute this (e.g. as another kind): no fault of it
                     logger.debug("checker %s cannot check %s: %s", plan.peer_id, span.peer_id, e)
@@ -317,8 +385,9 @@ def generation_rewinder(session, prompt_len: int, seen: list[int]) -> Callable[[
             return None
         position = found.position if found.position >= session.prefix_length else 0
         position = min(position, session.position)
-        logger.warning("rewinding the session to position %d: peer %s returned wrong outputs from there", position,
-                       found.peer_id)
+        logger.warning(
+            "rewinding the session to position %d: peer %s returned wrong outputs from there", position, found.peer_id
+        )
         run_sync(session.replace_distrusted(position))
         seen[0] = session.token_ids.shape[1]  # the tokens of positions [prefix, position)
         return sequence_rewind(position, session.prefix_length, prompt_len, sequence.shape[1])

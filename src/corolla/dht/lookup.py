@@ -186,7 +186,8 @@ def _decode(dht: DHTNode, key_id: DHTID, records: dict[Any, tuple[bytes, float]]
         if not isinstance(subkey, str) or not now <= expiration <= now + MAX_RECORD_AHEAD + MAX_CLOCK_SKEW:
             continue
         if validator is not None:
-            data = validator.strip_value(DHTRecord(key_id.to_bytes(), MSGPackSerializer.dumps(subkey), data, expiration))
+            record = DHTRecord(key_id.to_bytes(), MSGPackSerializer.dumps(subkey), data, expiration)
+            data = validator.strip_value(record)
         try:
             out[subkey] = (MSGPackSerializer.loads(data), expiration)
         except Exception as e:  # msgpack raises assorted types for garbage

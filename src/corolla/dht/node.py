@@ -188,15 +188,21 @@ async def create_swarm_node(
                 raise
             raise RuntimeError(
                 f"DHT bootstrap failed: none of the initial peers answered ({' '.join(peers)}): they are unreachable "
-                f"from here, or the swarm is private and {'our swarm key differs' if swarm_key else 'we have no swarm key'}"
+                "from here, or the swarm is private and "
+                f"{'our swarm key differs' if swarm_key else 'we have no swarm key'}"
             ) from e
         install_record_storage(dht)
     except BaseException:
         await p2p.shutdown()
         raise
     node = SwarmNode(p2p=p2p, dht=dht, key=key, initial_peers=tuple(peers), relays=tuple(relays), gate=gate)
-    logger.debug("dht node started peer_id=%s client_mode=%s private=%s relays=%d", node.peer_id, client_mode,
-                 gate is not None, len(relays))
+    logger.debug(
+        "dht node started peer_id=%s client_mode=%s private=%s relays=%d",
+        node.peer_id,
+        client_mode,
+        gate is not None,
+        len(relays),
+    )
     return node
 
 

@@ -101,7 +101,9 @@ class SwarmWatch:
         answered = sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
         if not answered:
             self._failed_attempts += 1
-            log = logger.info if self._failed_attempts & (self._failed_attempts - 1) == 0 else logger.debug  # 1, 2, 4...
+            log = (
+                logger.info if self._failed_attempts & (self._failed_attempts - 1) == 0 else logger.debug
+            )  # 1, 2, 4...
             log("rejoin attempt %d: none of %d peer(s) answered; retrying", self._failed_attempts, len(targets))
             return False
         await dht.find_nearest_nodes([dht.node_id])
@@ -125,5 +127,6 @@ class SwarmWatch:
         missing = [(m, p) for m, p in self.node.initial_peer_ids.items() if p not in present and p != self.node.peer_id]
         if missing:
             await asyncio.gather(*(self.node.connect(p, [m]) for m, p in missing))
-            await asyncio.gather(*(self.node.dht.protocol.call_ping(PeerID.from_base58(p)) for _, p in missing),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                *(self.node.dht.protocol.call_ping(PeerID.from_base58(p)) for _, p in missing), return_exceptions=True
+            )

@@ -59,7 +59,9 @@ class SwarmKeyAuthorizer(AuthorizerBase):
         if not valid:
             return self._reject("DHT request with a bad MAC (a peer without this swarm's key?)")
         if abs(auth.time - now) > MAX_CLOCK_SKEW:
-            return self._reject(f"DHT request stamped {auth.time - now:+.0f}s from our clock (replayed, or clocks apart)")
+            return self._reject(
+                f"DHT request stamped {auth.time - now:+.0f}s from our clock (replayed, or clocks apart)"
+            )
         with self._seen_nonces.freeze():
             if auth.nonce in self._seen_nonces:
                 return self._reject("DHT request replayed")

@@ -141,7 +141,8 @@ def attach_lora(block: nn.Module, name: str, updates: Mapping[str, LoraWeights],
                 f"adapter {name!r} targets {path!r}: {found} in our {type(block).__name__}; "
                 f"layers that can take an adapter: {linear_layers(block)}"
             )
-        check_lora_shapes(updates[path], int(module.in_features), int(module.out_features), f"adapter {name!r} at {path}")
+        check_lora_shapes(updates[path], int(module.in_features), int(module.out_features),
+                          f"adapter {name!r} at {path}")
         if isinstance(module, LoraLinear) and name in module.adapters:
             raise ValueError(f"adapter {name!r} is already attached to {path}")
         resolved[path] = module

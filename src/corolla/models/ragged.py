@@ -36,15 +36,25 @@ class RaggedKV:
         if any(position < 0 for position in self.positions):
             raise ValueError(f"positions must be >= 0, got {list(self.positions)}")
 
-    def rotary(self, table: Callable[..., tuple[Tensor, Tensor]], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    def rotary(
+        self, table: Callable[..., tuple[Tensor, Tensor]], dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
         """Per-row cos and sin, each (B, 1, 1, head_dim), from ``table(position, length, dtype=, device=)``."""
         rows = [table(position, 1, dtype=dtype, device=device) for position in self.positions]  # each (1, D)
         cos = torch.stack([c for c, _ in rows])[:, None]  # (B, 1, 1, D)
         sin = torch.stack([s for _, s in rows])[:, None]
         return cos, sin
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: int | None = None,
-               bias: Callable[[int], Tensor] | None = None) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        window: int | None = None,
+        bias: Callable[[int], Tensor] | None = None,
+    ) -> Tensor:
         """Store k, v (B, n_kv_heads, 1, D) in each row's cache and attend: q (B, n_heads, 1, D) -> (B, n_heads, 1, D).
 
         Row i sees its keys ``[0, positions[i]]`` (within ``window`` if given). ``bias(L)`` adds an extra

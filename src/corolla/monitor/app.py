@@ -47,10 +47,15 @@ def add_monitor_routes(app: FastAPI, monitor: SwarmMonitor, chat_url: str | None
     async def state(history: bool = True) -> Response:
         snapshot = await current(with_history=history)
         if snapshot is None:
-            return Response('{"detail": "the monitor has not read the swarm yet"}', status_code=503, media_type="application/json")
-        return Response(snapshot.model_dump_json(), media_type="application/json", headers={"Cache-Control": "no-store"})
+            return Response(
+                '{"detail": "the monitor has not read the swarm yet"}', status_code=503, media_type="application/json"
+            )
+        return Response(
+            snapshot.model_dump_json(), media_type="application/json", headers={"Cache-Control": "no-store"}
+        )
 
     if metrics:
+
         @app.get("/metrics", include_in_schema=False)
         async def prometheus_metrics() -> Response:
             return Response(render(registry), media_type=CONTENT_TYPE)

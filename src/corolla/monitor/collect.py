@@ -65,7 +65,9 @@ async def collect_state(
     budget = max_block_reads if models is None else sum(num_keys.values())  # models asked for are all read
     known = tracker.known_peers
     liveness = await _probe_announcers(node, index, counts, tracker, ping_timeout)
-    answered = {p for p in counts if p in index and any(liveness.get(a, _SILENT).reachable for a in index[p].announcers)}
+    answered = {
+        p for p in counts if p in index and any(liveness.get(a, _SILENT).reachable for a in index[p].announcers)
+    }
     plan = plan_reads(num_keys, priority, tracker.live_models | answered, budget)
     deadline = time.monotonic() + read_time
     per_model: dict[str, list[dict[str, ServerInfo]]] = {}
@@ -92,8 +94,9 @@ async def collect_state(
 _SILENT = Liveness(False, error="not probed")
 
 
-async def _probe_announcers(node: SwarmNode, index: Mapping[str, IndexedModel], wanted: Collection[str],
-                            tracker: PeerTracker, timeout: float) -> dict[str, Liveness]:
+async def _probe_announcers(
+    node: SwarmNode, index: Mapping[str, IndexedModel], wanted: Collection[str], tracker: PeerTracker, timeout: float
+) -> dict[str, Liveness]:
     """Ping one announcer of each wanted model in the index that had no server answering at the last look (one that
     answered before if any, else the first one not silent lately); at most MAX_PINGS, all at once."""
     now, known = time.time(), tracker.known_peers
@@ -113,7 +116,7 @@ async def _probe_announcers(node: SwarmNode, index: Mapping[str, IndexedModel], 
 
 
 def plan_reads(
-    num_keys: Mapping[str, int], priority: Mapping[str, int], live: Collection[str], max_keys: int,
+    num_keys: Mapping[str, int], priority: Mapping[str, int], live: Collection[str], max_keys: int
 ) -> list[tuple[str, int]]:
     """Which models to read, in order, and how many block keys each: the models in `live` first, then by `priority`
     (higher first; 0 when absent), then by fewer keys and by prefix; a model whose keys do not fit in what is left
@@ -152,19 +155,21 @@ def model_view(
             live.append(info)
             if rate is not None:
                 rates.append((info.start_block, info.end_block, rate))
-        views.append(ServerView(
-            peer_id=peer,
-            **{k: v for k, v in info.model_dump(mode="json").items() if k in _RECORD_FIELDS},
-            state=info.state.value if ping.reachable else UNREACHABLE,
-            announced_state=record.state.value,
-            reachable=ping.reachable,
-            rtt_ms=None if ping.rtt is None else round(ping.rtt * 1000, 2),
-            reachability=None if ping.relay is None else ("relay" if ping.relay else "direct"),
-            active_sessions=reply.active_sessions if reply else None,
-            decode_steps=reply.decode_steps if reply else None,
-            uptime_s=None if uptime is None else round(uptime, 1),
-            error=ping.error,
-        ))
+        views.append(
+            ServerView(
+                peer_id=peer,
+                **{k: v for k, v in info.model_dump(mode="json").items() if k in _RECORD_FIELDS},
+                state=info.state.value if ping.reachable else UNREACHABLE,
+                announced_state=record.state.value,
+                reachable=ping.reachable,
+                rtt_ms=None if ping.rtt is None else round(ping.rtt * 1000, 2),
+                reachability=None if ping.relay is None else ("relay" if ping.relay else "direct"),
+                active_sessions=reply.active_sessions if reply else None,
+                decode_steps=reply.decode_steps if reply else None,
+                uptime_s=None if uptime is None else round(uptime, 1),
+                error=ping.error,
+            )
+        )
     counts = coverage_counts(num_blocks, [(i.start_block, i.end_block) for i in live])
     missing = missing_ranges(counts)
     return ModelView(

@@ -20,7 +20,8 @@ class MonitorConfig:
     host: str = field(default="127.0.0.1", metadata=_opt("address the web page listens on"))
     port: int = field(default=8080, metadata=_opt("TCP port of the web page; 0 = chosen by the OS"))
     refresh_period: float = field(
-        default=5.0, metadata=_opt("how often the DHT is read and every server pinged, seconds (the page polls as often)")
+        default=5.0,
+        metadata=_opt("how often the DHT is read and every server pinged, seconds (the page polls as often)"),
     )
     ping_timeout: float = field(
         default=3.0, metadata=_opt("a server that does not answer rpc_info within this many seconds counts as gone")

@@ -26,31 +26,60 @@ class SwarmCollector:
     def collect(self) -> Iterator[Metric]:
         monitor = self.monitor
         yield CounterMetricFamily("corolla_monitor_refreshes", "Swarm refreshes completed", value=monitor.refreshes)
-        yield CounterMetricFamily("corolla_monitor_refresh_failures", "Swarm refreshes that failed", value=monitor.refresh_failures)
-        yield GaugeMetricFamily("corolla_monitor_refresh_seconds", "Duration of the last refresh", value=monitor.last_refresh_seconds)
+        yield CounterMetricFamily(
+            "corolla_monitor_refresh_failures", "Swarm refreshes that failed", value=monitor.refresh_failures
+        )
+        yield GaugeMetricFamily(
+            "corolla_monitor_refresh_seconds", "Duration of the last refresh", value=monitor.last_refresh_seconds
+        )
         state = monitor.latest
         if state is None:
             return
-        yield GaugeMetricFamily("corolla_monitor_last_refresh_timestamp_seconds", "Unix time of the last refresh", value=state.updated_at)
+        yield GaugeMetricFamily(
+            "corolla_monitor_last_refresh_timestamp_seconds", "Unix time of the last refresh", value=state.updated_at
+        )
         yield GaugeMetricFamily("corolla_swarm_models", "Models announced in the swarm", value=len(state.models))
         model = ["model"]
         blocks = GaugeMetricFamily("corolla_swarm_blocks", "Transformer blocks of the model", labels=model)
-        covered = GaugeMetricFamily("corolla_swarm_blocks_covered", "Blocks with at least one online server", labels=model)
-        replicated = GaugeMetricFamily("corolla_swarm_blocks_replicated", "Blocks with two or more online servers", labels=model)
+        covered = GaugeMetricFamily(
+            "corolla_swarm_blocks_covered", "Blocks with at least one online server", labels=model
+        )
+        replicated = GaugeMetricFamily(
+            "corolla_swarm_blocks_replicated", "Blocks with two or more online servers", labels=model
+        )
         healthy = GaugeMetricFamily("corolla_swarm_healthy", "1 when every block has an online server", labels=model)
-        servers = GaugeMetricFamily("corolla_swarm_servers", "Servers by state (unreachable: missed the ping)", labels=[*model, "state"])
-        capacity = GaugeMetricFamily("corolla_swarm_capacity_tokens_per_second", "Announced tokens/s of the weakest block", labels=model)
-        served = GaugeMetricFamily("corolla_swarm_tokens_per_second", "Decode tokens/s served since the previous refresh", labels=model)
+        servers = GaugeMetricFamily(
+            "corolla_swarm_servers", "Servers by state (unreachable: missed the ping)", labels=[*model, "state"]
+        )
+        capacity = GaugeMetricFamily(
+            "corolla_swarm_capacity_tokens_per_second", "Announced tokens/s of the weakest block", labels=model
+        )
+        served = GaugeMetricFamily(
+            "corolla_swarm_tokens_per_second", "Decode tokens/s served since the previous refresh", labels=model
+        )
         server = [*model, "peer_id"]
-        up = GaugeMetricFamily("corolla_swarm_server_up", "1 when the server answered the monitor's ping", labels=server)
-        rtt = GaugeMetricFamily("corolla_swarm_server_rtt_seconds", "Round trip of rpc_info from the monitor", labels=server)
-        throughput = GaugeMetricFamily("corolla_swarm_server_throughput_tokens_per_second", "Announced tokens/s per block", labels=server)
+        up = GaugeMetricFamily(
+            "corolla_swarm_server_up", "1 when the server answered the monitor's ping", labels=server
+        )
+        rtt = GaugeMetricFamily(
+            "corolla_swarm_server_rtt_seconds", "Round trip of rpc_info from the monitor", labels=server
+        )
+        throughput = GaugeMetricFamily(
+            "corolla_swarm_server_throughput_tokens_per_second", "Announced tokens/s per block", labels=server
+        )
         cache_free = GaugeMetricFamily("corolla_swarm_server_cache_tokens_free", "Free KV-cache tokens", labels=server)
-        cache_total = GaugeMetricFamily("corolla_swarm_server_cache_tokens_total", "KV-cache budget in tokens", labels=server)
-        sessions = GaugeMetricFamily("corolla_swarm_server_sessions", "Inference sessions open on the server", labels=server)
-        steps = CounterMetricFamily("corolla_swarm_server_decode_steps", "Session decode steps the server has served", labels=server)
+        cache_total = GaugeMetricFamily(
+            "corolla_swarm_server_cache_tokens_total", "KV-cache budget in tokens", labels=server
+        )
+        sessions = GaugeMetricFamily(
+            "corolla_swarm_server_sessions", "Inference sessions open on the server", labels=server
+        )
+        steps = CounterMetricFamily(
+            "corolla_swarm_server_decode_steps", "Session decode steps the server has served", labels=server
+        )
         info = GaugeMetricFamily(
-            "corolla_swarm_server_info", "Constant 1, with the server's blocks and build as labels",
+            "corolla_swarm_server_info",
+            "Constant 1, with the server's blocks and build as labels",
             labels=[*server, "blocks", "state", "version", "dtype", "quant"],
         )
         for m in state.models:
@@ -76,9 +105,26 @@ class SwarmCollector:
                     sessions.add_metric(labels, s.active_sessions)
                 if s.decode_steps is not None:
                     steps.add_metric(labels, s.decode_steps)
-                info.add_metric([*labels, f"{s.start_block}:{s.end_block}", s.state, s.version, s.torch_dtype, s.quant], 1.0)
-        yield from (blocks, covered, replicated, healthy, servers, capacity, served, up, rtt, throughput, cache_free,
-                    cache_total, sessions, steps, info)
+                info.add_metric(
+                    [*labels, f"{s.start_block}:{s.end_block}", s.state, s.version, s.torch_dtype, s.quant], 1.0
+                )
+        yield from (
+            blocks,
+            covered,
+            replicated,
+            healthy,
+            servers,
+            capacity,
+            served,
+            up,
+            rtt,
+            throughput,
+            cache_free,
+            cache_total,
+            sessions,
+            steps,
+            info,
+        )
 
 
 def swarm_registry(monitor: SwarmMonitor) -> CollectorRegistry:

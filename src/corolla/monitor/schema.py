@@ -55,7 +55,9 @@ class ModelView(_View):
     missing_ranges: list[str] = Field(description='uncovered blocks as half-open ranges, e.g. ["2:4"]')
     healthy: bool = Field(description="every block has an online server")
     servers_online: int
-    capacity: float = Field(description="announced tokens/s through the whole model: its weakest block's summed throughput")
+    capacity: float = Field(
+        description="announced tokens/s through the whole model: its weakest block's summed throughput"
+    )
     tokens_per_s: float | None = Field(description="decode tokens/s the servers served since the last refresh")
     servers: list[ServerView]
 

@@ -30,7 +30,9 @@ class PeerTracker:
         """Servers that answered at the last look (read and pinged first at the next)."""
         return frozenset(self._seen)
 
-    def observe(self, peer_id: str, now: float, reachable: bool, decode_steps: int | None) -> tuple[float | None, float | None]:
+    def observe(
+        self, peer_id: str, now: float, reachable: bool, decode_steps: int | None
+    ) -> tuple[float | None, float | None]:
         """Record one refresh's result for `peer_id`; returns (uptime seconds, decode steps/s), None where unknown."""
         if not reachable:
             self._seen.pop(peer_id, None)

@@ -10,7 +10,8 @@ one JSON line per command:
     {"op": "route"}              -> {"ok": true, "route": [[peer, start, end], ...]} (an inference route now)
     {"op": "timed_decode", "ids": [[...]], "new_tokens": N, "repeats": R}
                                   -> {"ok": true, "ttft_s": [...], "decode_s_per_token": [...],
-                                      "exchanges_per_token": x (requests the client waited for, counted, per decode step),
+                                      "exchanges_per_token": x (requests the client waited for, counted, per decode
+                                      step),
                                       "tokens": [[...]] (prompt + greedy tokens, last repeat),
                                       "route": [[peer, start, end], ...], "pushed_steps": n (last repeat's session)}
 A failed command answers {"ok": false, "error": "..."}; the agent keeps running until stdin closes.
@@ -42,8 +43,12 @@ def main() -> int:
     try:
         config = ClientConfig(**json.loads(args.config))
         model = AutoDistributedModelForCausalLM.from_pretrained(
-            args.model, initial_peers=args.initial_peers, swarm_key=args.swarm_key, client_config=config,
-            torch_dtype=torch.float32)
+            args.model,
+            initial_peers=args.initial_peers,
+            swarm_key=args.swarm_key,
+            client_config=config,
+            torch_dtype=torch.float32,
+        )
     except Exception as e:
         print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}), flush=True)
         return 1
@@ -72,10 +77,21 @@ def handle(command: dict, model, manager, run_sync, torch) -> dict:
         return {"tokens": out.tolist(), "seconds": time.perf_counter() - begin}
     if op == "servers":
         run_sync(manager.update(force=True))
-        return {"blocks": [{peer: {"state": info.state.value, "relayed": info.relayed, "maddrs": list(info.maddrs),
-                                   "next_pings": dict(info.next_pings)}
-                            for peer, info in servers.items()} for servers in manager.block_servers],
-                "rtts": dict(manager.rtts)}
+        return {
+            "blocks": [
+                {
+                    peer: {
+                        "state": info.state.value,
+                        "relayed": info.relayed,
+                        "maddrs": list(info.maddrs),
+                        "next_pings": dict(info.next_pings),
+                    }
+                    for peer, info in servers.items()
+                }
+                for servers in manager.block_servers
+            ],
+            "rtts": dict(manager.rtts),
+        }
     if op == "route":
         route = run_sync(manager.make_route(0, manager.num_blocks))
         return {"route": [[span.peer_id, span.start, span.end] for span in route]}
@@ -110,8 +126,14 @@ def timed_decode(model, ids, new_tokens: int, repeats: int, torch) -> dict:
                 pushed = session.pushed_steps
             ttft.append(first - begin)
             per_token.append((done - first) / max(1, new_tokens - 1))
-    return {"ttft_s": ttft, "decode_s_per_token": per_token, "exchanges_per_token": sorted(exchanges)[len(exchanges) // 2],
-            "tokens": torch.cat(tokens, dim=1).tolist(), "route": route, "pushed_steps": pushed}
+    return {
+        "ttft_s": ttft,
+        "decode_s_per_token": per_token,
+        "exchanges_per_token": sorted(exchanges)[len(exchanges) // 2],
+        "tokens": torch.cat(tokens, dim=1).tolist(),
+        "route": route,
+        "pushed_steps": pushed,
+    }
 
 
 def timed_prefill(model, ids, repeats: int, torch) -> dict:

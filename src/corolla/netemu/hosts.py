@@ -175,16 +175,21 @@ class EmulatedNetwork:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the emulated network is closed")
-            proc = HostProcess.start(label or name, self.command(name, argv), {**os.environ, **(env or {})}, log_file, stdin)
+            proc = HostProcess.start(label or name, self.command(name, argv), {**os.environ, **(env or {})}, log_file,
+                                     stdin)
             self.processes.append(proc)
         return proc
 
     def measure_rtt(self, src: str, dst: str, samples: int = 10, port: int = PROBE_PORT) -> float:
         """Median TCP round trip from host src to host dst in seconds (corolla.netemu.probe on both ends)."""
-        server = self.spawn(dst, [sys.executable, "-m", "corolla.netemu.probe", "serve", str(port)], label=f"probe-{dst}")
+        server = self.spawn(
+            dst, [sys.executable, "-m", "corolla.netemu.probe", "serve", str(port)], label=f"probe-{dst}"
+        )
         try:
             server.wait_for("listening", timeout=30.0)
-            done = self.run(src, [sys.executable, "-m", "corolla.netemu.probe", "rtt", self.address(dst), str(port), str(samples)])
+            done = self.run(
+                src, [sys.executable, "-m", "corolla.netemu.probe", "rtt", self.address(dst), str(port), str(samples)]
+            )
             if done.returncode != 0:
                 raise RuntimeError(f"rtt probe {src} -> {dst} failed: {done.stderr.strip()}")
             return json.loads(done.stdout.strip().splitlines()[-1])["median_ms"] / 1e3

@@ -94,7 +94,9 @@ class LinkModel:
             return None
         return self._enqueue(self._downlink_free, dst, b.rate, sent + self.one_way_delay(src, dst), size)
 
-    def _enqueue(self, free_at: dict[str, float], host: str, rate: float | None, arrival: float, size: int) -> float | None:
+    def _enqueue(
+        self, free_at: dict[str, float], host: str, rate: float | None, arrival: float, size: int
+    ) -> float | None:
         if rate is None:
             return arrival
         start = max(arrival, free_at.get(host, arrival))

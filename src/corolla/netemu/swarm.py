@@ -38,7 +38,9 @@ def start_dht(net: EmulatedNetwork, host: str, *args: str, label: str = "dht", l
 def start_server(net: EmulatedNetwork, host: str, model: str, peers: Sequence[str], *args: str, label: str,
                  log: IO[str] | None = None, wait: bool = True) -> HostProcess:
     """`corolla serve MODEL --initial-peers PEERS ARGS` on `host`; with `wait`, once it serves."""
-    proc = net.spawn(host, corolla("serve", model, "--initial-peers", ",".join(peers), *args), label=label, log_file=log)
+    proc = net.spawn(
+        host, corolla("serve", model, "--initial-peers", ",".join(peers), *args), label=label, log_file=log
+    )
     if wait:
         wait_serving(proc)
     return proc
@@ -57,10 +59,28 @@ def join_time(proc: HostProcess, timeout: float = READY_TIMEOUT) -> float:
 class Agent:
     """corolla.netemu.client_agent running on an emulated host: one corolla client, driven by JSON commands."""
 
-    def __init__(self, net: EmulatedNetwork, host: str, model: str, peers: Sequence[str], *, swarm_key: str | None = None,
-                 config: dict | None = None, label: str = "client", log: IO[str] | None = None):
-        argv = [sys.executable, "-m", "corolla.netemu.client_agent", model, "--initial-peers", *peers,
-                "--config", json.dumps(config or {})]
+    def __init__(
+        self,
+        net: EmulatedNetwork,
+        host: str,
+        model: str,
+        peers: Sequence[str],
+        *,
+        swarm_key: str | None = None,
+        config: dict | None = None,
+        label: str = "client",
+        log: IO[str] | None = None,
+    ):
+        argv = [
+            sys.executable,
+            "-m",
+            "corolla.netemu.client_agent",
+            model,
+            "--initial-peers",
+            *peers,
+            "--config",
+            json.dumps(config or {}),
+        ]
         if swarm_key:
             argv += ["--swarm-key", swarm_key]
         self.proc = net.spawn(host, argv, label=label, log_file=log, stdin=True)

@@ -59,8 +59,12 @@ def open_tun(name: str) -> int:
 class Switch:
     def __init__(self, config: dict):
         self.model = LinkModel(
-            {h["name"]: Link(delay=h.get("delay", 0.0), rate=h.get("rate"), accept_inbound=h.get("accept_inbound", True))
-             for h in config["hosts"]},
+            {
+                h["name"]: Link(
+                    delay=h.get("delay", 0.0), rate=h.get("rate"), accept_inbound=h.get("accept_inbound", True)
+                )
+                for h in config["hosts"]
+            },
             queue_limit=config.get("queue_limit", 0.5),
         )
         self.devices: dict[str, Device] = {}
@@ -146,7 +150,10 @@ class Switch:
                     self.model.pair_delay[pair] = float(message["delay"])
                 return {"ok": True}
             if op == "stats":
-                return {"ok": True, "stats": {h: {"forwarded": d.forwarded, "dropped": d.dropped} for h, d in self.devices.items()}}
+                return {
+                    "ok": True,
+                    "stats": {h: {"forwarded": d.forwarded, "dropped": d.dropped} for h, d in self.devices.items()},
+                }
             return {"ok": False, "error": f"unknown op {op!r}"}
         except (KeyError, TypeError, ValueError) as e:
             return {"ok": False, "error": repr(e)}

@@ -1,6 +1,8 @@
 """Wire protocol shared by client and server: typed messages, DHT records, tensor framing and errors."""
 
-PROTOCOL_VERSION = 4  # v4: push links set by the owner, signed push receipts; v3: server-to-server push; bumped on any incompatible change of a message or of the framing
+# bumped on any incompatible change of a message or of the framing. v4: push links set by the owner, signed push
+# receipts, codecs; v3: server-to-server push
+PROTOCOL_VERSION = 4
 # v1: tensors after a frame's header were unnamed and told apart by dtype. v2: every tensor is named
 # (protocol.messages.TensorSlots), frame headers carry the version, quantization modes and error codes are enums.
 

@@ -36,7 +36,8 @@ MAX_FRAME_BYTES = 1 << 30  # 1 GiB: a prefill of 16k tokens x hidden 8192 in flo
 LEN_BYTES = 8
 HEADER_LEN_BYTES = 4
 MAX_NAME_LENGTH = 64  # characters of a tensor's name
-MAX_HEADER_BYTES = 1 << 16  # bytes of a msgpack header; honest ones stay under 10 KiB (1024 hypo_ids, a 4 KiB adapter name)
+# bytes of a msgpack header; honest ones stay under 10 KiB (1024 hypo_ids, a 4 KiB adapter name)
+MAX_HEADER_BYTES = 1 << 16
 MAX_DIMS = 8  # dimensions of one tensor
 
 DTYPES: dict[str, torch.dtype] = {
@@ -56,8 +57,10 @@ _NO_TENSORS: dict[str, torch.Tensor] = {}
 
 def version_mismatch(theirs: object, ours: int = PROTOCOL_VERSION) -> str:
     """The error text for a peer speaking protocol `theirs` to one speaking `ours`: names both."""
-    return (f"protocol version mismatch: the peer speaks corolla protocol v{str(theirs)[:20]}, this side speaks v{ours}; "
-            f"clients and servers of one swarm must run corolla versions with the same protocol")
+    return (
+        f"protocol version mismatch: the peer speaks corolla protocol v{str(theirs)[:20]}, this side speaks v{ours}; "
+        f"clients and servers of one swarm must run corolla versions with the same protocol"
+    )
 
 
 def encode_frame(message: Message, tensors: Tensors = _NO_TENSORS, codec: str = "none") -> bytes:
@@ -127,7 +130,9 @@ def decode_frame(payload: bytes, max_bytes: int = MAX_FRAME_BYTES) -> tuple[Mess
             tensors[name] = decode(codec, view[offset : offset + nbytes], shape, dtype)
         else:
             raw = bytearray(view[offset : offset + nbytes])  # a writable copy, owned by the tensor
-            tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+            tensors[name] = (
+                torch.frombuffer(raw, dtype=dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+            )
         offset += nbytes
     if offset != len(payload):
         raise ProtocolError(f"{len(payload) - offset} unexpected trailing bytes in frame")
@@ -135,9 +140,16 @@ def decode_frame(payload: bytes, max_bytes: int = MAX_FRAME_BYTES) -> tuple[Mess
 
 
 def _check_spec(spec: object) -> tuple[str, torch.dtype, list[int], str]:
-    if not (isinstance(spec, list) and len(spec) in (3, 4) and isinstance(spec[0], str) and isinstance(spec[1], str)
-            and isinstance(spec[2], list)):
-        raise ProtocolError(f"bad tensor spec {spec!r:.200}: expected [name, dtype, shape] or [name, dtype, shape, codec]")
+    if not (
+        isinstance(spec, list)
+        and len(spec) in (3, 4)
+        and isinstance(spec[0], str)
+        and isinstance(spec[1], str)
+        and isinstance(spec[2], list)
+    ):
+        raise ProtocolError(
+            f"bad tensor spec {spec!r:.200}: expected [name, dtype, shape] or [name, dtype, shape, codec]"
+        )
     name, dtype, shape = spec[:3]
     codec = spec[3] if len(spec) == 4 else "none"
     if codec != "none" and (codec not in CODECS or name not in CODED_NAMES or DTYPES.get(dtype) not in FLOAT_DTYPES):
@@ -148,8 +160,11 @@ def _check_spec(spec: object) -> tuple[str, torch.dtype, list[int], str]:
         raise ProtocolError(f"unsupported dtype {dtype!r} of tensor {name!r}; supported: {', '.join(DTYPES)}")
     # bool is an int to Python but not to torch; a shape with a zero is empty whatever its other sizes, so those are
     # bounded on their own (by the bytes a frame may hold) lest torch overflow computing strides
-    if (len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d for d in shape)
-            or math.prod(max(d, 1) for d in shape) > MAX_FRAME_BYTES):
+    if (
+        len(shape) > MAX_DIMS
+        or not all(type(d) is int and 0 <= d for d in shape)
+        or math.prod(max(d, 1) for d in shape) > MAX_FRAME_BYTES
+    ):
         raise ProtocolError(f"bad shape {str(shape)[:200]} of tensor {name!r}")
     return name, DTYPES[dtype], shape, codec
 
@@ -162,8 +177,9 @@ def _short(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-async def write_frame(writer: asyncio.StreamWriter, message: Message, tensors: Tensors = _NO_TENSORS,
-                      codec: str = "none") -> None:
+async def write_frame(
+    writer: asyncio.StreamWriter, message: Message, tensors: Tensors = _NO_TENSORS, codec: str = "none"
+) -> None:
     """Write one frame (hidden states in `codec`) and wait until the transport has taken it."""
     payload = encode_frame(message, tensors, codec)
     writer.write(len(payload).to_bytes(LEN_BYTES, "big"))
@@ -171,7 +187,9 @@ async def write_frame(writer: asyncio.StreamWriter, message: Message, tensors: T
     await writer.drain()
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> tuple[Message, dict[str, torch.Tensor]]:
+async def read_frame(
+    reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES
+) -> tuple[Message, dict[str, torch.Tensor]]:
     """Read one frame. Raises asyncio.IncompleteReadError when the peer closed the stream, ProtocolError on garbage."""
     length = int.from_bytes(await reader.readexactly(LEN_BYTES), "big")
     if length > max_bytes:

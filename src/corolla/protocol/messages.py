@@ -100,7 +100,9 @@ class ServerInfo(_Message):
     session_timeout: float = Field(default=600.0, gt=0)  # seconds a session may sit idle before it is closed
     adapters: tuple[str, ...] = ()  # LoRA adapters loaded (--adapters), by the names clients ask for them with
     # full multiaddrs clients may dial this server at (.../p2p/<peer id>); empty = let p2pd find them
-    maddrs: tuple[Annotated[str, Field(min_length=1, max_length=MAX_MADDR_CHARS)], ...] = Field(default=(), max_length=MAX_MADDRS)
+    maddrs: tuple[Annotated[str, Field(min_length=1, max_length=MAX_MADDR_CHARS)], ...] = Field(
+        default=(), max_length=MAX_MADDRS
+    )
     relayed: bool = False  # reachable only through a relay (its maddrs are /p2p-circuit/ ones): an extra hop per step
     codecs: tuple[Codec, ...] = ("none",)  # activation codecs its sessions and passes accept (protocol.codecs)
     # push routing: peer id -> smoothed round trip in seconds from this server to that one, for the servers a step
@@ -168,7 +170,9 @@ class OpenSession(_Message):
     max_length: int = Field(gt=0, le=MAX_SESSION_LENGTH)
     batch_size: int = Field(default=1, gt=0, le=MAX_BATCH_SIZE)
     alloc_timeout: float = Field(default=0.0, ge=0.0, le=3600.0)  # seconds to wait in the allocation queue
-    active_adapter: str | None = Field(default=None, max_length=MAX_ADAPTER_NAME)  # LoRA adapter for every step; None: base model
+    active_adapter: str | None = Field(
+        default=None, max_length=MAX_ADAPTER_NAME
+    )  # LoRA adapter for every step; None: base model
     # push mode (server.push): who may push steps into this session, and where this session pushes its outputs
     push_from: PushSource | None = None
     push_to: PushTarget | None = None

@@ -71,7 +71,8 @@ _PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """The parts of a peft ``LoraConfig`` that decide a module's scale: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
+    """The parts of a peft ``LoraConfig`` that decide a module's scale: ``alpha / r`` (``alpha / sqrt(r)`` with
+    rsLoRA)."""
 
     r: int  # default rank
     lora_alpha: float  # default alpha
@@ -116,7 +117,8 @@ def parse_lora_config(raw: Mapping[str, Any], where: str) -> LoraSettings:
     init = raw.get("init_lora_weights", True)
     if init not in _PLAIN_INITS:
         raise ValueError(
-            f"{where}: init_lora_weights={init!r} rewrites the base weights, so the adapter needs that rewritten model; "
+            f"{where}: init_lora_weights={init!r} rewrites the base weights, so the adapter needs that rewritten "
+            "model; "
             "not supported (convert the adapter to plain LoRA with peft first)"
         )
     try:
@@ -154,21 +156,22 @@ def map_lora_names(names: Sequence[str], family: ModelFamily, num_blocks: int, w
     halves: dict[str, set[str]] = {}
     targets: dict[str, LoraTarget] = {}
     for name in sorted(names):
-        stripped = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+        stripped = name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
         match = _LORA_SUFFIX.match(stripped)
         module = match["module"] if match else re.split(r"\.(?:lora_\w+|base_layer|weight|bias)(?:\.|$)", stripped)[0]
         canonical = family.canonical_name(module + ".weight")[: -len(".weight")] + "."
         block = next((index for prefix, index in prefixes.items() if canonical.startswith(prefix)), None)
         if block is None:
             raise ValueError(
-                f"{where}: adapts {module!r}, outside the {num_blocks} transformer blocks; servers hold only the blocks "
+                f"{where}: adapts {module!r}, outside the {num_blocks} transformer blocks; servers hold only the "
+                "blocks "
                 "(LoRA on embeddings or the LM head is not supported)"
             )
         if match is None:
             what = "a DoRA magnitude" if "lora_magnitude_vector" in name else "not a lora_A/lora_B weight"
             raise ValueError(f"{where}: tensor {name!r} is not supported ({what}); only plain LoRA on linear layers is")
         halves.setdefault(module, set()).add(match["which"])
-        targets[module] = LoraTarget(module, block, canonical[len(family.block_prefix(block)): -1])
+        targets[module] = LoraTarget(module, block, canonical[len(family.block_prefix(block)) : -1])
     incomplete = sorted(module for module, seen in halves.items() if seen != {"A", "B"})
     if incomplete:
         raise ValueError(f"{where}: modules {incomplete[:5]} lack lora_A or lora_B")
@@ -231,8 +234,11 @@ def load_lora_adapter(
             names = list(f.keys())
     else:
         # memory-mapped: listing the names reads no tensor data
-        names = [n for n, t in torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
-                 if isinstance(t, torch.Tensor)]
+        names = [
+            n
+            for n, t in torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
+            if isinstance(t, torch.Tensor)
+        ]
     targets = map_lora_names(names, family, family.num_blocks(model_config), where)
     ours = {module for module, target in targets.items() if target.block in blocks}
     wanted = {f"{_PEFT_PREFIX}{m}.lora_{ab}.weight" for m in ours for ab in "AB"} & set(names)
@@ -241,7 +247,7 @@ def load_lora_adapter(
     tensors = read(path, wanted.__contains__, torch.float32) if wanted else {}
     updates: dict[int, dict[str, LoraWeights]] = {}
     for key, tensor in tensors.items():
-        stripped = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        stripped = key[len(_PEFT_PREFIX) :] if key.startswith(_PEFT_PREFIX) else key
         match = _LORA_SUFFIX.match(stripped)
         assert match is not None  # map_lora_names accepted every name
         module = match["module"]
@@ -270,12 +276,18 @@ def attach_adapters(
     max_disk_space: int | None = None,
 ) -> None:
     """Load each adapter of ``names`` and attach it to ``blocks`` (blocks ``start``, ``start + 1``, ...), in ``dtype``
-    on ``device`` (a `TensorParallelBlock`: sliced per shard, on the shards' devices). Raises as ``load_lora_adapter`` and ``attach_lora`` do, and ``ValueError`` for a name given twice."""
+    on ``device`` (a `TensorParallelBlock`: sliced per shard, on the shards' devices). Raises as ``load_lora_adapter``
+    and ``attach_lora`` do, and ``ValueError`` for a name given twice."""
     if len(set(names)) != len(names):
         raise ValueError(f"--adapters names an adapter twice: {list(names)}")
     for name in names:
         updates = load_lora_adapter(
-            name, family, model_config, range(start, start + len(blocks)), cache_dir=cache_dir, max_disk_space=max_disk_space
+            name,
+            family,
+            model_config,
+            range(start, start + len(blocks)),
+            cache_dir=cache_dir,
+            max_disk_space=max_disk_space,
         )
         for index, layers in sorted(updates.items()):
             block = blocks[index - start]

@@ -31,8 +31,16 @@ def retry_delay(failures: int, period: float) -> float:
 
 
 class Announcer:
-    def __init__(self, dht: DHTNode, prefix: str, peer_id: str, make_info: Callable[[], ServerInfo], period: float, expiration: float,
-                 model: ModelRecord | None = None):
+    def __init__(
+        self,
+        dht: DHTNode,
+        prefix: str,
+        peer_id: str,
+        make_info: Callable[[], ServerInfo],
+        period: float,
+        expiration: float,
+        model: ModelRecord | None = None,
+    ):
         """`model`: this server's entry in the swarm's model index (dht.model_index), refreshed with every announce."""
         self.dht = dht
         self.prefix = prefix
@@ -48,7 +56,14 @@ class Announcer:
         """Store the current record under every hosted block; True when every store succeeded."""
         info = self.make_info()
         ok = await announce_blocks(self.dht, self.prefix, self.peer_id, info, self.expiration, self.model)
-        logger.debug("announced state=%s blocks=%d:%d free_tokens=%d ok=%s", info.state.value, info.start_block, info.end_block, info.cache_tokens_free, ok)
+        logger.debug(
+            "announced state=%s blocks=%d:%d free_tokens=%d ok=%s",
+            info.state.value,
+            info.start_block,
+            info.end_block,
+            info.cache_tokens_free,
+            ok,
+        )
         return ok
 
     def refresh_soon(self) -> None:

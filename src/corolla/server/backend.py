@@ -162,7 +162,12 @@ class BlockStack:
                           None if prompts is None else prompts.to(**to), None if mask is None else mask.to(self.device))
 
     def backward(
-        self, hidden: torch.Tensor, grad_output: torch.Tensor, start: int, end: int, prompts: torch.Tensor | None = None,
+        self,
+        hidden: torch.Tensor,
+        grad_output: torch.Tensor,
+        start: int,
+        end: int,
+        prompts: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Gradients w.r.t. the inputs hidden (B, T, H) of blocks [start, end), given grad_output (B, T, H) w.r.t.
@@ -172,6 +177,9 @@ class BlockStack:
         """
         to = dict(device=self.device, dtype=self.dtype)
         return backward_through(
-            self.blocks[start - self.start : end - self.start], hidden.to(**to), grad_output.to(**to),
-            None if prompts is None else prompts.to(**to), None if mask is None else mask.to(self.device),
+            self.blocks[start - self.start : end - self.start],
+            hidden.to(**to),
+            grad_output.to(**to),
+            None if prompts is None else prompts.to(**to),
+            None if mask is None else mask.to(self.device),
         )

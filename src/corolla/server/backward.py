@@ -96,13 +96,16 @@ def check_grad_output(grad: Tensor, hidden: Tensor) -> Tensor:
 
 def check_prompts(prompts: Tensor, hidden: Tensor, num_blocks: int, max_positions: int | None = None) -> Tensor:
     """Deep prompts must be finite float (num_blocks, P, H) for hidden (B, T, H), with 1 <= P <= max_positions
-    (default T: a forward pass covers the prompt positions; an inference step may cover only some). Raises ValueError."""
+    (default T: a forward pass covers the prompt positions; an inference step may cover only some). Raises
+    ValueError."""
     if prompts.dtype not in FLOAT_DTYPES:
         raise ValueError(f"prompts must be float32/bfloat16/float16, got {prompts.dtype}")
     _, length, hidden_size = hidden.shape
     if prompts.ndim != 3 or prompts.shape[0] != num_blocks or prompts.shape[2] != hidden_size:
-        raise ValueError(f"prompts must have shape ({num_blocks}, P, {hidden_size}) for {num_blocks} blocks, "
-                         f"got {tuple(prompts.shape)}")
+        raise ValueError(
+            f"prompts must have shape ({num_blocks}, P, {hidden_size}) for {num_blocks} blocks, "
+            f"got {tuple(prompts.shape)}"
+        )
     limit = length if max_positions is None else max_positions
     if not 1 <= prompts.shape[1] <= limit:
         what = "the sequence length" if max_positions is None else "the session's max_length"

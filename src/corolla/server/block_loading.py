@@ -38,12 +38,22 @@ def default_num_blocks(family: Any, model_config: Any, dtype: torch.dtype, dtype
     finally:
         torch.set_default_dtype(default_dtype)
     bytes_per_block = estimate_block_bytes(block, quant, dtype)
-    logger.info("sizing: one block takes about %.1f MiB (dtype %s, quant %s)", bytes_per_block / 2**20, dtype_name, quant)
+    logger.info(
+        "sizing: one block takes about %.1f MiB (dtype %s, quant %s)", bytes_per_block / 2**20, dtype_name, quant
+    )
     return max(1, int(available_memory() * 0.5 // bytes_per_block))
 
 
-def load_stack(config: ServerConfig, family: Any, model_config: Any, start: int, end: int, dtype: torch.dtype,
-               dtype_name: str, device: torch.device) -> tuple[BlockStack, int]:
+def load_stack(
+    config: ServerConfig,
+    family: Any,
+    model_config: Any,
+    start: int,
+    end: int,
+    dtype: torch.dtype,
+    dtype_name: str,
+    device: torch.device,
+) -> tuple[BlockStack, int]:
     """Blocks [start, end) of `config.model` as a BlockStack (tensor-parallel over config.tensor_parallel_devices if
     given), each quantized on its way to its device, with config.adapters attached; and the resident bytes of one
     block (their mean)."""
@@ -73,32 +83,53 @@ def load_stack(config: ServerConfig, family: Any, model_config: Any, start: int,
         torch.set_default_dtype(default_dtype)
     if config.adapters:
         attach_adapters(
-            blocks, start, config.adapters, family, model_config, dtype=dtype,
-            device=device, cache_dir=config.cache_dir, max_disk_space=config.max_disk_space,
+            blocks,
+            start,
+            config.adapters,
+            family,
+            model_config,
+            dtype=dtype,
+            device=device,
+            cache_dir=config.cache_dir,
+            max_disk_space=config.max_disk_space,
         )
     n_kv_heads, head_dim = family.kv_layout(model_config)
     bytes_per_block = sum(resident_bytes(b) for b in blocks) // len(blocks)
     logger.info(
-        "loaded blocks %d:%d in %.1fs (dtype %s, quant %s, %.2f MiB per block)", start, end,
-        time.perf_counter() - begin, dtype_name, config.quant, bytes_per_block / 2**20,
+        "loaded blocks %d:%d in %.1fs (dtype %s, quant %s, %.2f MiB per block)",
+        start,
+        end,
+        time.perf_counter() - begin,
+        dtype_name,
+        config.quant,
+        bytes_per_block / 2**20,
     )
     if tp_devices:
         logger.info("tensor parallel: each block split over %d devices: %s", len(tp_devices), " ".join(tp_devices))
         stack = tensor_parallel_stack(
-            blocks, start, model_config.hidden_size, KVLayout(n_kv_heads, head_dim), dtype, config.max_chunk_tokens,
+            blocks, start, model_config.hidden_size, KVLayout(n_kv_heads, head_dim), dtype, config.max_chunk_tokens
         )
         return stack, bytes_per_block
     stack = BlockStack(
-        blocks, start, model_config.hidden_size, KVLayout(n_kv_heads, head_dim),
-        dtype, device, config.max_chunk_tokens,
+        blocks,
+        start,
+        model_config.hidden_size,
+        KVLayout(n_kv_heads, head_dim),
+        dtype,
+        device,
+        config.max_chunk_tokens,
         cache_length=functools.partial(family.cache_length, model_config),
     )
     length = config.max_session_length
     full, kept = (stack.layout.bytes_per_token(dtype, len(blocks)) * length, stack.cache_bytes(1, length, start, end))
     if kept < full:
-        logger.info("cache: sliding-window blocks keep a ring of recent positions; a session of %d tokens takes "
-                    "%.1f MiB, not %.1f MiB (the budget still reserves batch x max_length tokens of every block)",
-                    length, kept / 2**20, full / 2**20)
+        logger.info(
+            "cache: sliding-window blocks keep a ring of recent positions; a session of %d tokens takes "
+            "%.1f MiB, not %.1f MiB (the budget still reserves batch x max_length tokens of every block)",
+            length,
+            kept / 2**20,
+            full / 2**20,
+        )
     return stack, bytes_per_block
 
 

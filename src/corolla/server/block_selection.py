@@ -13,7 +13,9 @@ def parse_block_range(text: str, num_blocks: int) -> tuple[int, int]:
     except ValueError:
         raise ValueError(f"--blocks must look like A:B (e.g. 0:4), got {text!r}") from None
     if not 0 <= start < end <= num_blocks:
-        raise ValueError(f"--blocks {text} is outside the model's {num_blocks} blocks (valid: 0 <= A < B <= {num_blocks})")
+        raise ValueError(
+            f"--blocks {text} is outside the model's {num_blocks} blocks (valid: 0 <= A < B <= {num_blocks})"
+        )
     return start, end
 
 
@@ -71,7 +73,9 @@ def should_move(
     if not 0 <= start < end <= total:
         raise ValueError(f"current blocks {start}:{end} are outside the model's {total} blocks")
     if min_improvement < 0:
-        raise ValueError(f"min_improvement must be >= 0 (a negative margin lets servers oscillate), got {min_improvement}")
+        raise ValueError(
+            f"min_improvement must be >= 0 (a negative margin lets servers oscillate), got {min_improvement}"
+        )
     # max(0, ...): our own record may be missing from, or older than, the view we were given
     others = [max(0.0, t - own_throughput) if start <= i < end else float(t) for i, t in enumerate(block_throughputs)]
     target = choose_best_blocks(end - start, others)

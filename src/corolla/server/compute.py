@@ -62,7 +62,9 @@ Observer = Callable[[Callable[..., Any], int, list[float]], None]
 
 
 class ComputeWorker:
-    def __init__(self, name: str = "corolla-compute", max_batch: int = DEFAULT_MAX_BATCH, observe: Observer | None = None):
+    def __init__(
+        self, name: str = "corolla-compute", max_batch: int = DEFAULT_MAX_BATCH, observe: Observer | None = None
+    ):
         """`observe` (e.g. ServerMetrics.observe_compute) hears of every call that succeeded."""
         self.max_batch = max_batch
         self.observe = observe
@@ -78,7 +80,9 @@ class ComputeWorker:
         """Run fn(*args) on the compute thread; its exception propagates to the awaiting caller."""
         return await self._submit(priority, fn, args, None)
 
-    async def run_batched(self, priority: int, batch_fn: Callable[[list[Any]], Sequence[T]], key: Hashable, item: Any) -> T:
+    async def run_batched(
+        self, priority: int, batch_fn: Callable[[list[Any]], Sequence[T]], key: Hashable, item: Any
+    ) -> T:
         """Run `item` through batch_fn([item, ...]) together with other queued items of the same key; returns
         this item's result. An exception of batch_fn reaches every task of that batch."""
         return await self._submit(priority, batch_fn, (item,), key)

@@ -21,12 +21,17 @@ class ServerConfig:
     port: int = field(default=0, metadata=_opt("TCP port to listen on; 0 = chosen by the OS"))
     identity: str | None = field(
         default=None,
-        metadata=_opt("private key file (created, mode 0600, if missing): the server keeps its peer id across restarts"),
+        metadata=_opt(
+            "private key file (created, mode 0600, if missing): the server keeps its peer id across restarts"
+        ),
     )
     announce_maddrs: tuple[str, ...] = field(
         default=(),
-        metadata=_opt("addresses other peers should dial, e.g. /ip4/PUBLIC_IP/tcp/PORT when a NAT forwards that port "
-                      "here (default: the addresses listened on)", nargs="+"),
+        metadata=_opt(
+            "addresses other peers should dial, e.g. /ip4/PUBLIC_IP/tcp/PORT when a NAT forwards that port "
+            "here (default: the addresses listened on)",
+            nargs="+",
+        ),
     )
     use_relay: bool = field(
         default=True, metadata=_opt("dial peers that are behind NATs through the relays they announce")
@@ -37,12 +42,16 @@ class ServerConfig:
             "for a server that accepts no inbound connections (behind a NAT): reserve a relayed address at these "
             "public peers (`corolla dht --relay`) and announce it; clients reach the server through them (an extra "
             "hop per step). The bundled p2pd reserves about 20 s after start when it knows 4 or more relays, after "
-            "about 3 minutes otherwise", nargs="+"),
+            "about 3 minutes otherwise",
+            nargs="+",
+        ),
     )
     swarm_key: str | None = field(
         default=None,
-        metadata=_opt("private swarm: the swarm key file (`corolla swarm-key PATH`); only peers holding it may read "
-                      "the DHT or use this server"),
+        metadata=_opt(
+            "private swarm: the swarm key file (`corolla swarm-key PATH`); only peers holding it may read "
+            "the DHT or use this server"
+        ),
     )
     rejoin_period: float = field(
         default=5.0,
@@ -85,7 +94,8 @@ class ServerConfig:
     quant: str = field(
         default="none",
         metadata=_opt(
-            "weight quantization of the blocks' linear layers (bitsandbytes): int8 = LLM.int8(), nf4 = 4-bit NormalFloat",
+            "weight quantization of the blocks' linear layers (bitsandbytes): int8 = LLM.int8(), nf4 = 4-bit "
+            "NormalFloat",
             choices=("none", "int8", "nf4"),
         ),
     )
@@ -97,43 +107,57 @@ class ServerConfig:
     max_alloc_timeout: float = field(default=60.0, metadata=_opt("cap on a client's cache-allocation wait, seconds"))
     cache_queue_patience: float = field(
         default=5.0,
-        metadata=_opt("a session waiting for cache is overtaken by later ones that fit for this long at most; after "
-                      "that, nothing that came after it gets cache before it (no starvation of large sessions), "
-                      "seconds"),
+        metadata=_opt(
+            "a session waiting for cache is overtaken by later ones that fit for this long at most; after "
+            "that, nothing that came after it gets cache before it (no starvation of large sessions), "
+            "seconds"
+        ),
     )
     # per-peer limits (server.peer_limits): what one peer id may hold of this server at once
     max_peer_cache_share: float = field(
         default=1.0,
-        metadata=_opt("most of the KV-cache budget one peer may hold and wait for, as a fraction (0.5 = half); a "
-                      "session past it is refused at once with server_full. 1.0 lets one client (e.g. one `corolla "
-                      "api` serving many users) fill the server; public servers may want 0.5"),
+        metadata=_opt(
+            "most of the KV-cache budget one peer may hold and wait for, as a fraction (0.5 = half); a "
+            "session past it is refused at once with server_full. 1.0 lets one client (e.g. one `corolla "
+            "api` serving many users) fill the server; public servers may want 0.5"
+        ),
     )
     max_peer_sessions: int = field(
         default=384,
-        metadata=_opt("most inference sessions one peer may have open or waiting for cache (`corolla api` keeps up "
-                      "to its --max-streams 256 generating plus its kept ones); more are refused with server_full"),
+        metadata=_opt(
+            "most inference sessions one peer may have open or waiting for cache (`corolla api` keeps up "
+            "to its --max-streams 256 generating plus its kept ones); more are refused with server_full"
+        ),
     )
     max_peer_streams: int = field(
         default=512,
-        metadata=_opt("most streams of any RPC one peer may have open at once (each holds a socket of this "
-                      "process); more are refused at once with peer_limit"),
+        metadata=_opt(
+            "most streams of any RPC one peer may have open at once (each holds a socket of this "
+            "process); more are refused at once with peer_limit"
+        ),
     )
     max_peer_passes: int = field(
         default=4,
-        metadata=_opt("most rpc_forward/rpc_backward calls of one peer read and run at once; its further calls wait "
-                      "their turn, unread, so one peer cannot fill the compute queue or the memory"),
+        metadata=_opt(
+            "most rpc_forward/rpc_backward calls of one peer read and run at once; its further calls wait "
+            "their turn, unread, so one peer cannot fill the compute queue or the memory"
+        ),
     )
     max_pass_tokens: int = field(
         default=32768,
-        metadata=_opt("most tokens (batch x length) of one rpc_forward/rpc_backward (at least one row of "
-                      "--max-session-length), which bounds its frame before it is read and its compute; clients' "
-                      "training chunks (4 MiB of hidden states, or one row) and spot checks of sessions up to this "
-                      "batch x max_length fit"),
+        metadata=_opt(
+            "most tokens (batch x length) of one rpc_forward/rpc_backward (at least one row of "
+            "--max-session-length), which bounds its frame before it is read and its compute; clients' "
+            "training chunks (4 MiB of hidden states, or one row) and spot checks of sessions up to this "
+            "batch x max_length fit"
+        ),
     )
     max_probe_bytes: int = field(
         default=4 << 20,
-        metadata=_opt("largest bandwidth probe (rpc_probe) payload this server takes or sends back, bytes; other "
-                      "servers measure with 4 MiB"),
+        metadata=_opt(
+            "largest bandwidth probe (rpc_probe) payload this server takes or sends back, bytes; other "
+            "servers measure with 4 MiB"
+        ),
     )
     max_probes: int = field(
         default=4, metadata=_opt("most bandwidth probes answered at once, over all peers (one per peer at a time)")
@@ -151,15 +175,20 @@ class ServerConfig:
     )
     network_bandwidth: float | None = field(
         default=None,
-        metadata=_opt("this server's network bandwidth, Mbit/s (default: measured against other servers, cached a day)"),
+        metadata=_opt(
+            "this server's network bandwidth, Mbit/s (default: measured against other servers, cached a day)"
+        ),
     )
     max_batch_size: int = field(
-        default=64, metadata=_opt("most sessions' decode steps run together in one batched forward (continuous batching)")
+        default=64,
+        metadata=_opt("most sessions' decode steps run together in one batched forward (continuous batching)"),
     )
     merge_max_tokens: int = field(
         default=128,
-        metadata=_opt("steps up to this many tokens (x batch) run through all blocks as one task; longer prefills "
-                      "run block by block so other sessions' decode steps go in between"),
+        metadata=_opt(
+            "steps up to this many tokens (x batch) run through all blocks as one task; longer prefills "
+            "run block by block so other sessions' decode steps go in between"
+        ),
     )
     max_chunk_tokens: int = field(
         default=2048, metadata=_opt("prefills longer than this many tokens (x batch) run in chunks")
@@ -177,9 +206,11 @@ class ServerConfig:
     )
     ready_file: str | None = field(
         default=None,
-        metadata=_opt("once the server is announced ONLINE, write this file atomically (again after each move to other "
-                      "blocks): the JSON record `corolla serve` also prints as one line on stdout, with keys event "
-                      "(\"ready\"), peer_id, maddrs (where clients dial it) and blocks (\"A:B\")"),
+        metadata=_opt(
+            "once the server is announced ONLINE, write this file atomically (again after each move to other "
+            "blocks): the JSON record `corolla serve` also prints as one line on stdout, with keys event "
+            '("ready"), peer_id, maddrs (where clients dial it) and blocks ("A:B")'
+        ),
     )
     metrics_port: int = field(
         default=0, metadata=_opt("serve Prometheus metrics at http://HOST:PORT/metrics on this TCP port; 0 = off")
@@ -199,8 +230,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.max_peer_cache_share <= 1.0:
             raise ValueError(f"max_peer_cache_share must be within (0, 1], got {self.max_peer_cache_share!r}")
-        for name in ("max_peer_sessions", "max_peer_streams", "max_peer_passes", "max_pass_tokens", "max_probe_bytes",
-                     "max_probes"):
+        for name in (
+            "max_peer_sessions",
+            "max_peer_streams",
+            "max_peer_passes",
+            "max_pass_tokens",
+            "max_probe_bytes",
+            "max_probes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if self.cache_queue_patience < 0 or self.probe_stall_timeout <= 0:

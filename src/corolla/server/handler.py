@@ -39,7 +39,14 @@ from corolla.protocol import rpc_handler_name
 from corolla.protocol.compat import LEGACY_VERSIONS, discard_frame, legacy_error_frame
 from corolla.protocol.errors import ProtocolError
 from corolla.protocol.signing import PeerKey
-from corolla.protocol.framing import DTYPE_NAMES, MAX_FRAME_BYTES, abort_stream, read_frame, version_mismatch, write_frame
+from corolla.protocol.framing import (
+    DTYPE_NAMES,
+    MAX_FRAME_BYTES,
+    abort_stream,
+    read_frame,
+    version_mismatch,
+    write_frame,
+)
 from corolla.protocol.messages import (
     ComputeKind,
     BackwardRequest,
@@ -110,16 +117,24 @@ class ConnectionHandler:
         self.authorize = authorize  # private swarms: whether a peer id may use this server (None: anybody)
         self.shutting_down = False
         self.adapters = AdapterCalls(config.adapters)  # compute functions run with a request's LoRA adapter
-        self.checks = RequestChecks(stack.start, stack.end, stack.hidden_size, self.adapters, config.max_session_length,
-                                    config.max_pass_tokens)
+        self.checks = RequestChecks(
+            stack.start, stack.end, stack.hidden_size, self.adapters, config.max_session_length, config.max_pass_tokens
+        )
         self.peer_limits = PeerLimits(config.max_peer_streams, config.max_peer_passes, config.max_probes)
         # nf4 blocks are slow enough per token that only decode steps are merged
         self.limits = PlanLimits(1 if config.quant == "nf4" else config.merge_max_tokens, stack.max_chunk_tokens)
         self.table = SessionTable(stack, allocator, worker, config.max_alloc_timeout, config.max_peer_sessions)
-        self.emulator = Emulator(stack.blocks, stack.start, ComputeKind(dtype=DTYPE_NAMES[stack.dtype], quant=config.quant),
-                                 stack.device, enabled=not config.adapters and not config.tensor_parallel_devices)
+        self.emulator = Emulator(
+            stack.blocks,
+            stack.start,
+            ComputeKind(dtype=DTYPE_NAMES[stack.dtype], quant=config.quant),
+            stack.device,
+            enabled=not config.adapters and not config.tensor_parallel_devices,
+        )
         scheduler = Scheduler(stack, worker, self.adapters, config.step_timeout, self.emulator)
-        self.faults = None if config.inject_fault is None else FaultInjector(scheduler, config.inject_fault, config.step_timeout)
+        self.faults = (
+            None if config.inject_fault is None else FaultInjector(scheduler, config.inject_fault, config.step_timeout)
+        )
         self.compute: Compute = self.faults or scheduler
         # a stream that has not said what it wants is an idle session: it gets no longer than one
         self.first_message_timeout = min(FIRST_MESSAGE_TIMEOUT, config.session_timeout)
@@ -140,20 +155,36 @@ class ConnectionHandler:
 
     def _handlers(self) -> dict[str, Handler]:
         return {
-            "inference": self.rpc_inference, "forward": self.rpc_forward, "backward": self.rpc_backward,
-            "info": self.rpc_info, "probe": self.rpc_probe, "push": self.rpc_push,
+            "inference": self.rpc_inference,
+            "forward": self.rpc_forward,
+            "backward": self.rpc_backward,
+            "info": self.rpc_info,
+            "probe": self.rpc_probe,
+            "push": self.rpc_push,
         }
 
     async def register(self, p2p) -> None:  # hivemind.p2p.P2P
         self.pushes = PushPool(p2p, self.config.step_timeout)
         for verb, handler in self._handlers().items():
-            await p2p.add_binary_stream_handler(rpc_handler_name(verb), self.peer_limits.guard(
-                _stream_adapter(handler, verb, self.metrics, authorize=self.authorize), verb, write_frame,
-                self.metrics.observe_error))
+            await p2p.add_binary_stream_handler(
+                rpc_handler_name(verb),
+                self.peer_limits.guard(
+                    _stream_adapter(handler, verb, self.metrics, authorize=self.authorize),
+                    verb,
+                    write_frame,
+                    self.metrics.observe_error,
+                ),
+            )
             for version in LEGACY_VERSIONS:
-                await p2p.add_binary_stream_handler(rpc_handler_name(verb, version), self.peer_limits.guard(
-                    _legacy_stream(version, verb, self.metrics, self.first_message_timeout, self.authorize), verb,
-                    _legacy_reply(version), self.metrics.observe_error))
+                await p2p.add_binary_stream_handler(
+                    rpc_handler_name(verb, version),
+                    self.peer_limits.guard(
+                        _legacy_stream(version, verb, self.metrics, self.first_message_timeout, self.authorize),
+                        verb,
+                        _legacy_reply(version),
+                        self.metrics.observe_error,
+                    ),
+                )
 
     async def unregister(self, p2p) -> None:
         """Stop accepting new streams (the server is moving to other blocks); open sessions are ended elsewhere."""
@@ -163,12 +194,18 @@ class ConnectionHandler:
             for name in [rpc_handler_name(verb), *(rpc_handler_name(verb, version) for version in LEGACY_VERSIONS)]:
                 await p2p.remove_binary_stream_handler(name)
 
-    async def _read_first(self, reader: asyncio.StreamReader, kind: type[_M], max_bytes: int = MAX_FRAME_BYTES
-                          ) -> tuple[_M, dict[str, torch.Tensor]]:
+    async def _read_first(
+        self, reader: asyncio.StreamReader, kind: type[_M], max_bytes: int = MAX_FRAME_BYTES
+    ) -> tuple[_M, dict[str, torch.Tensor]]:
         return await _read_first(reader, kind, max_bytes, self.first_message_timeout)
 
-    async def _send(self, writer: asyncio.StreamWriter, message: Message, tensors: Mapping[str, torch.Tensor] | None = None,
-                    codec: str = "none") -> None:
+    async def _send(
+        self,
+        writer: asyncio.StreamWriter,
+        message: Message,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        codec: str = "none",
+    ) -> None:
         await _send(writer, message, tensors or {}, self.config.session_timeout, codec)
 
     # ------------------------------------------------------------------ rpc_info, rpc_probe
@@ -183,8 +220,10 @@ class ConnectionHandler:
         async with self.peer_limits.probe(peer):
             request, _ = await self._read_first(reader, ProbeRequest, max_bytes=limit + (1 << 16))
             if request.reply_bytes > limit:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"a probe reply of {request.reply_bytes} bytes exceeds this "
-                                                          f"server's limit of {limit} bytes")
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    f"a probe reply of {request.reply_bytes} bytes exceeds this server's limit of {limit} bytes",
+                )
             await send_probe_reply(writer, request.reply_bytes, self.config.probe_stall_timeout)
 
     # ------------------------------------------------------------------ rpc_forward, rpc_backward
@@ -192,29 +231,44 @@ class ConnectionHandler:
     # max_pass_tokens allows; its compute may take step_timeout at most.
     async def rpc_forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         async with self.peer_limits.pass_slot(peer, self.config.session_timeout):
-            request, tensors = await self._read_first(reader, ForwardRequest, self.checks.pass_frame_limit(backward=False))
+            request, tensors = await self._read_first(
+                reader, ForwardRequest, self.checks.pass_frame_limit(backward=False)
+            )
             self.checks.stateless(request)
             hidden, mask, prompts = self.checks.forward(request, tensors)
             blocks = request.blocks
             if request.emulate is not None:
-                bad_request(self.emulator.problem(request.emulate) or (
-                    "a forward computed as another kind of server takes no adapter, mask or deep prompts"
-                    if request.emulate != self.emulator.own and (request.active_adapter or mask is not None
-                                                                 or prompts is not None) else None))
-            output = await self._timed(self.compute.forward(hidden, blocks.start, blocks.end, request.active_adapter,
-                                                            prompts, mask, request.emulate))
+                bad_request(
+                    self.emulator.problem(request.emulate)
+                    or (
+                        "a forward computed as another kind of server takes no adapter, mask or deep prompts"
+                        if request.emulate != self.emulator.own
+                        and (request.active_adapter or mask is not None or prompts is not None)
+                        else None
+                    )
+                )
+            output = await self._timed(
+                self.compute.forward(
+                    hidden, blocks.start, blocks.end, request.active_adapter, prompts, mask, request.emulate
+                )
+            )
             await self._send(writer, ForwardResult(), {"hidden": output.to(hidden.dtype)}, request.codec)
 
     async def rpc_backward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         """hidden, grad_output (and an attention mask and deep prompts, as rpc_forward takes them) ->
         grad_hidden (and grad_prompts)."""
         async with self.peer_limits.pass_slot(peer, self.config.session_timeout):
-            request, tensors = await self._read_first(reader, BackwardRequest, self.checks.pass_frame_limit(backward=True))
+            request, tensors = await self._read_first(
+                reader, BackwardRequest, self.checks.pass_frame_limit(backward=True)
+            )
             self.checks.stateless(request)
             hidden, grad_output, mask, prompts = self.checks.backward(request, tensors)
             blocks = request.blocks
-            grad_hidden, grad_prompts = await self._timed(self.compute.backward(
-                hidden, grad_output, blocks.start, blocks.end, request.active_adapter, prompts, mask))
+            grad_hidden, grad_prompts = await self._timed(
+                self.compute.backward(
+                    hidden, grad_output, blocks.start, blocks.end, request.active_adapter, prompts, mask
+                )
+            )
             grads = {"grad_hidden": grad_hidden.to(hidden.dtype)}
             if grad_prompts is not None and prompts is not None:
                 grads["grad_prompts"] = grad_prompts.to(prompts.dtype)
@@ -258,7 +312,9 @@ class ConnectionHandler:
                 if not done:
                     if time.monotonic() - live.touched < self.config.session_timeout:
                         continue  # steps pushed into the session keep it alive (its owner sends nothing here)
-                    raise RequestError(ErrorCode.TIMEOUT, f"session idle for more than {self.config.session_timeout:.0f}s")
+                    raise RequestError(
+                        ErrorCode.TIMEOUT, f"session idle for more than {self.config.session_timeout:.0f}s"
+                    )
                 message, tensors = reading.result()
                 reading = None
                 live.touched = time.monotonic()
@@ -281,16 +337,32 @@ class ConnectionHandler:
             if reading is not None:
                 reading.cancel()
 
-    async def _push_on(self, live: LiveSession, result: StepResult, message: InferenceStep | PushStep,
-                       output: torch.Tensor, mask: torch.Tensor | None) -> StepResult:
+    async def _push_on(
+        self,
+        live: LiveSession,
+        result: StepResult,
+        message: InferenceStep | PushStep,
+        output: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> StepResult:
         """Send a step's output on to the session's push target (the owner set it), with this server's signed receipt;
         the answer to the owner, naming a failed push. Nothing to do without a target (the route's last server)."""
         target = live.target
         if target is None or self.pushes is None:
             return result
         pushed = output if self.faults is None else self.faults.pushed(output)  # corrupt-push: a test's liar
-        push, tensors = outgoing_push(self.key, target, message.step_id, message.position, message.hypo_ids,
-                                      True, pushed, mask, live.codec, message.answer)
+        push, tensors = outgoing_push(
+            self.key,
+            target,
+            message.step_id,
+            message.position,
+            message.hypo_ids,
+            True,
+            pushed,
+            mask,
+            live.codec,
+            message.answer,
+        )
         try:
             await self.pushes.send(target.peer_id, push, tensors, live.codec)
         except Exception as e:  # the next server is gone: the client replaces it and relays this step
@@ -310,9 +382,15 @@ class ConnectionHandler:
         length...) goes to the owner as PushRefused, with the receipt, and leaves the session as it was."""
         refused = 0  # pushes refused in a row on this stream
         while True:
-            limit = max((self.checks.step_frame_limit(live.session.batch_size, live.session.max_length,
-                                                      live.session.num_blocks) for live in self.links.accepting(peer)),
-                        default=UNAUTHORIZED_PUSH_FRAME)
+            limit = max(
+                (
+                    self.checks.step_frame_limit(
+                        live.session.batch_size, live.session.max_length, live.session.num_blocks
+                    )
+                    for live in self.links.accepting(peer)
+                ),
+                default=UNAUTHORIZED_PUSH_FRAME,
+            )
             try:
                 message, tensors = await asyncio.wait_for(read_frame(reader, limit), self.config.session_timeout)
             except asyncio.TimeoutError:
@@ -349,9 +427,12 @@ class ConnectionHandler:
                 try:
                     result, output = await self.run_step(live.session, step, tensors)
                 except RequestError as e:
-                    logger.info("pushed step refused session=%s pusher=%s: %s", live.session.id, message.receipt.pusher, e)
-                    await self._send(live.writer, PushRefused(step_id=message.step_id, reason=str(e)[:1000],
-                                                              receipt=message.receipt))
+                    logger.info(
+                        "pushed step refused session=%s pusher=%s: %s", live.session.id, message.receipt.pusher, e
+                    )
+                    await self._send(
+                        live.writer, PushRefused(step_id=message.step_id, reason=str(e)[:1000], receipt=message.receipt)
+                    )
                     return
                 result = result.model_copy(update={"receipt": message.receipt})
                 if message.push:
@@ -361,20 +442,31 @@ class ConnectionHandler:
                 abort_stream(live.writer)
                 raise
             except Exception as e:
-                code, text = (e.code, str(e)) if isinstance(e, RequestError) else (ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+                code, text = (
+                    (e.code, str(e))
+                    if isinstance(e, RequestError)
+                    else (ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+                )
                 logger.info("pushed step failed session=%s: %s", live.session.id, text)
                 try:
                     await asyncio.wait_for(write_frame(live.writer, ErrorReply(code=code, message=text)), 5.0)
                 finally:
                     abort_stream(live.writer)
 
-    async def run_step(self, session: ServerSession, message: InferenceStep, tensors: Mapping[str, torch.Tensor]
-                       ) -> tuple[StepResult, torch.Tensor]:
+    async def run_step(
+        self, session: ServerSession, message: InferenceStep, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[StepResult, torch.Tensor]:
         """Check, plan and run one inference step of `session`, wherever it came from; returns the answer and the
         blocks' output (B, T, H) in the dtype it was sent in. A step from an earlier position rolls the session
         back first. Raises RequestError for a step this session cannot take."""
-        step = self.checks.step(message, tensors, batch_size=session.batch_size, held=session.position,
-                                max_length=session.max_length, num_blocks=session.num_blocks)
+        step = self.checks.step(
+            message,
+            tensors,
+            batch_size=session.batch_size,
+            held=session.position,
+            max_length=session.max_length,
+            num_blocks=session.num_blocks,
+        )
         output = await self.compute.step(session, step, plan(step, session, self.limits))
         session.advance(step)
         return StepResult(step_id=step.step_id, position=session.position), output.to(step.hidden.dtype)
@@ -388,17 +480,28 @@ def answered(live: LiveSession, message: InferenceStep | PushStep, output: torch
     return output[:, output.shape[1] - min(message.answer, output.shape[1]) :]  # (B, answer, H)
 
 
-async def _read_first(reader: asyncio.StreamReader, kind: type[_M], max_bytes: int = MAX_FRAME_BYTES,
-                      timeout: float = FIRST_MESSAGE_TIMEOUT) -> tuple[_M, dict[str, torch.Tensor]]:
+async def _read_first(
+    reader: asyncio.StreamReader,
+    kind: type[_M],
+    max_bytes: int = MAX_FRAME_BYTES,
+    timeout: float = FIRST_MESSAGE_TIMEOUT,
+) -> tuple[_M, dict[str, torch.Tensor]]:
     """The first message of a stream, which must be a `kind`, and its tensors; TimeoutError after `timeout` seconds."""
     message, tensors = await asyncio.wait_for(read_frame(reader, max_bytes=max_bytes), timeout)
     if not isinstance(message, kind):
-        raise RequestError(ErrorCode.BAD_REQUEST, f"this stream takes {kind.model_fields['kind'].default}, got {message.kind}")
+        raise RequestError(
+            ErrorCode.BAD_REQUEST, f"this stream takes {kind.model_fields['kind'].default}, got {message.kind}"
+        )
     return message, tensors
 
 
-async def _send(writer: asyncio.StreamWriter, message: Message, tensors: Mapping[str, torch.Tensor], timeout: float,
-                codec: str = "none") -> None:
+async def _send(
+    writer: asyncio.StreamWriter,
+    message: Message,
+    tensors: Mapping[str, torch.Tensor],
+    timeout: float,
+    codec: str = "none",
+) -> None:
     """Write one frame. A peer that has not taken it within `timeout` seconds stopped reading: its stream is aborted
     (dropping what is buffered for it) and ConnectionAbortedError ends the handler."""
     try:
@@ -413,8 +516,13 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[
 ReplyWriter = Callable[[asyncio.StreamWriter, ErrorReply], Awaitable[None]]
 
 
-def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_with: ReplyWriter = write_frame,
-                    authorize: Callable[[str], Awaitable[bool]] | None = None):
+def _stream_adapter(
+    handler: Handler,
+    verb: str,
+    metrics: ServerMetrics,
+    reply_with: ReplyWriter = write_frame,
+    authorize: Callable[[str], Awaitable[bool]] | None = None,
+):
     """Wrap a handler so every failure becomes an ErrorReply on its own stream (written by `reply_with`) and
     nothing escapes. The one place where streams are accepted and errors replied; `metrics` counts the stream
     (as `verb`), its bytes and its error reply. With `authorize` (private swarms), a stream whose authenticated
@@ -427,8 +535,11 @@ def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_w
             reply: ErrorReply | None = None
             try:
                 if authorize is not None and not await authorize(peer):
-                    raise RequestError(ErrorCode.BAD_REQUEST, "refused: this is a private swarm and your peer did "
-                                                              "not prove it holds the swarm key (--swarm-key)")
+                    raise RequestError(
+                        ErrorCode.BAD_REQUEST,
+                        "refused: this is a private swarm and your peer did "
+                        "not prove it holds the swarm key (--swarm-key)",
+                    )
                 await handler(reader, writer, peer)
             except RequestError as e:
                 logger.info("request refused peer=%s code=%s reason=%s", peer, e.code.value, e)
@@ -465,8 +576,13 @@ def _stream_adapter(handler: Handler, verb: str, metrics: ServerMetrics, reply_w
     return on_stream
 
 
-def _legacy_stream(version: int, verb: str, metrics: ServerMetrics, timeout: float = FIRST_MESSAGE_TIMEOUT,
-                   authorize: Callable[[str], Awaitable[bool]] | None = None):
+def _legacy_stream(
+    version: int,
+    verb: str,
+    metrics: ServerMetrics,
+    timeout: float = FIRST_MESSAGE_TIMEOUT,
+    authorize: Callable[[str], Awaitable[bool]] | None = None,
+):
     """The stream handler of an older protocol `version`'s handler name: an error naming both versions, in the
     frame format that version's peers read (protocol.compat), once their request is read (`timeout` seconds at most)."""
 
@@ -495,6 +611,7 @@ async def _await_peer_close(reader: asyncio.StreamReader) -> None:
     reading), and a reset that reaches the client's p2pd before it has copied the reply out discards the reply. On a
     busy machine that happened to about 1 rpc_info in 1000: the client saw the stream end without an answer.
     """
+
     async def drain() -> None:
         while await reader.read(1 << 16):
             pass

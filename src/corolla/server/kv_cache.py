@@ -117,7 +117,9 @@ class PlainKV(SessionKV):
         layers = []
         for length in _lengths(max_length, len(blocks)):
             shape = (batch_size, n_kv_heads, length, head_dim)
-            layers.append(((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)),))
+            layers.append(
+                ((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)),)
+            )
         return cls(start, layers)
 
     def kv(self, index: int) -> KVPair:
@@ -132,11 +134,25 @@ class ShardedKV(SessionKV):
     """A (k_cache, v_cache) pair per shard of every block (tensor parallelism, server.tensor_parallel)."""
 
     @classmethod
-    def allocate(cls, blocks: Sequence[nn.Module], start: int, batch_size: int, max_length: int | Sequence[int],
-                 n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> Self:
+    def allocate(
+        cls,
+        blocks: Sequence[nn.Module],
+        start: int,
+        batch_size: int,
+        max_length: int | Sequence[int],
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Self:
         """Per block, its own `allocate_kv`: each shard's heads on that shard's device."""
-        return cls(start, [block.allocate_kv(batch_size, length, dtype)
-                           for block, length in zip(blocks, _lengths(max_length, len(blocks)))])
+        return cls(
+            start,
+            [
+                block.allocate_kv(batch_size, length, dtype)
+                for block, length in zip(blocks, _lengths(max_length, len(blocks)))
+            ],
+        )
 
     def kv(self, index: int) -> tuple[KVPair, ...]:
         return self._layers[index - self.start]

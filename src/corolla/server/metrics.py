@@ -25,7 +25,8 @@ from corolla.server.memory_cache import CacheBudget
 
 logger = logging.getLogger(__name__)
 
-# what each compute function of the block stacks is, as a step path; other tasks (cache set-up, reordering) are not steps
+# what each compute function of the block stacks is, as a step path; other tasks (cache set-up, reordering) are not
+# steps
 STEP_PATHS = {
     "decode_batch": "decode",  # single-token steps of many sessions, batched
     "padded_step": "padded",  # a padded batch's step, rows grouped by length
@@ -53,22 +54,34 @@ class ServerMetrics:
         self.cache_free = Gauge("corolla_server_cache_tokens_free", "KV-cache tokens free", registry=r)
         self.cache_total = Gauge("corolla_server_cache_tokens_total", "KV-cache budget in tokens", registry=r)
         self.reservations = Counter(
-            "corolla_server_cache_reservations", "KV-cache reservations by outcome (granted, timeout, too_large, refused)",
-            ["result"], registry=r,
+            "corolla_server_cache_reservations",
+            "KV-cache reservations by outcome (granted, timeout, too_large, refused)",
+            ["result"],
+            registry=r,
         )
         self.cache_wait = Histogram(
-            "corolla_server_cache_wait_seconds", "Wait of granted KV-cache reservations", buckets=LATENCY_BUCKETS, registry=r,
+            "corolla_server_cache_wait_seconds",
+            "Wait of granted KV-cache reservations",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.decode_batch = Histogram(
-            "corolla_server_decode_batch_size", "Sessions' decode steps run together in one batched call",
-            buckets=BATCH_BUCKETS, registry=r,
+            "corolla_server_decode_batch_size",
+            "Sessions' decode steps run together in one batched call",
+            buckets=BATCH_BUCKETS,
+            registry=r,
         )
         self.step_seconds = Histogram(
-            "corolla_server_step_seconds", "Queue wait + compute of one task, by compute path",
-            ["path"], buckets=LATENCY_BUCKETS, registry=r,
+            "corolla_server_step_seconds",
+            "Queue wait + compute of one task, by compute path",
+            ["path"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.requests = Counter("corolla_server_requests", "RPC streams accepted", ["rpc"], registry=r)
-        self.errors = Counter("corolla_server_errors", "Error replies sent, by RPC and error code", ["rpc", "code"], registry=r)
+        self.errors = Counter(
+            "corolla_server_errors", "Error replies sent, by RPC and error code", ["rpc", "code"], registry=r
+        )
         self.bytes_in = Counter("corolla_server_bytes_received", "Bytes read from RPC streams", ["rpc"], registry=r)
         self.bytes_out = Counter("corolla_server_bytes_sent", "Bytes written to RPC streams", ["rpc"], registry=r)
         self.info = Info("corolla_server", "What the server serves", registry=r)

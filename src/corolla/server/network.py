@@ -42,7 +42,9 @@ _ZEROS = memoryview(bytes(PROBE_CHUNK_BYTES))  # the payload of every probe repl
 
 async def probe_once(p2p: P2P, peer_id: str, send_bytes: int, reply_bytes: int, timeout: float) -> float:
     """Seconds for one probe exchange with `peer_id` (stream opened beforehand, not timed)."""
-    _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), rpc_handler_name("probe")), timeout)
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), rpc_handler_name("probe")), timeout
+    )
     try:
         payload = torch.zeros(send_bytes // 4, dtype=torch.int32)
         begin = time.perf_counter()
@@ -59,8 +61,13 @@ async def probe_once(p2p: P2P, peer_id: str, send_bytes: int, reply_bytes: int, 
 def probe_reply_head(elements: int) -> bytes:
     """The bytes of a ProbeReply frame (protocol.framing) that come before its payload of `elements` int32 zeros:
     the frame's length prefix, its header's length and its header."""
-    header = msgpack.packb({"v": PROTOCOL_VERSION, "msg": ProbeReply().model_dump(mode="json"),
-                            "tensors": [["payload", "int32", [elements]]]})
+    header = msgpack.packb(
+        {
+            "v": PROTOCOL_VERSION,
+            "msg": ProbeReply().model_dump(mode="json"),
+            "tensors": [["payload", "int32", [elements]]],
+        }
+    )
     length = HEADER_LEN_BYTES + len(header) + 4 * elements
     return length.to_bytes(LEN_BYTES, "big") + len(header).to_bytes(HEADER_LEN_BYTES, "big") + header
 
@@ -85,8 +92,9 @@ async def send_probe_reply(writer: asyncio.StreamWriter, reply_bytes: int, stall
         left -= chunk
 
 
-async def measure_peer(p2p: P2P, peer_id: str, payload_bytes: int = DEFAULT_PAYLOAD_BYTES, repeats: int = 3,
-                       timeout: float = 10.0) -> float:
+async def measure_peer(
+    p2p: P2P, peer_id: str, payload_bytes: int = DEFAULT_PAYLOAD_BYTES, repeats: int = 3, timeout: float = 10.0
+) -> float:
     """min(upload, download) to one peer, in bytes per second."""
     if not 0 < payload_bytes <= MAX_PROBE_BYTES:
         raise ValueError(f"payload_bytes must be in (0, {MAX_PROBE_BYTES}], got {payload_bytes}")

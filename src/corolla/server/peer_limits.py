@@ -80,8 +80,13 @@ class PeerLimits:
                     observe(verb, ErrorCode.PEER_LIMIT.value)
                 self.refusing[peer] += 1
                 try:
-                    await _refuse(reader, writer, reply_with, f"per-peer limit: your peer has {self.streams[peer]} "
-                                                              f"streams open here, the most this server allows one peer")
+                    await _refuse(
+                        reader,
+                        writer,
+                        reply_with,
+                        f"per-peer limit: your peer has {self.streams[peer]} "
+                        f"streams open here, the most this server allows one peer",
+                    )
                 finally:
                     _decrement(self.refusing, peer)
                 return
@@ -97,9 +102,17 @@ class PeerLimits:
     def pass_slot(self, peer: str, wait: float) -> AbstractAsyncContextManager[None]:
         """Hold one of `peer`'s `max_passes` pass slots, waiting for one in arrival order; RequestError(TIMEOUT) if
         none frees up within `wait` seconds."""
-        return _slot(self._passes, peer, self.max_passes, wait, lambda: RequestError(
-            ErrorCode.TIMEOUT, f"per-peer limit: your peer's {self.max_passes} forward/backward calls in flight here "
-                               f"did not finish within {wait:.0f}s"))
+        return _slot(
+            self._passes,
+            peer,
+            self.max_passes,
+            wait,
+            lambda: RequestError(
+                ErrorCode.TIMEOUT,
+                f"per-peer limit: your peer's {self.max_passes} forward/backward calls in flight here "
+                f"did not finish within {wait:.0f}s",
+            ),
+        )
 
     def passes_in_flight(self, peer: str) -> int:
         """Calls of `peer` holding a pass slot now (those waiting for one not counted)."""
@@ -111,12 +124,21 @@ class PeerLimits:
     async def probe(self, peer: str) -> AsyncIterator[None]:
         """Hold `peer`'s one probe (waiting PROBE_SLOT_WAIT at most for its previous one to end); RequestError
         (PEER_LIMIT) if it still has one running, or if `max_probes` run already."""
-        async with _slot(self._probe_slots, peer, 1, PROBE_SLOT_WAIT, lambda: RequestError(
-                ErrorCode.PEER_LIMIT, "per-peer limit: your peer has a bandwidth probe running here already (one at "
-                                      "a time)")):
+        async with _slot(
+            self._probe_slots,
+            peer,
+            1,
+            PROBE_SLOT_WAIT,
+            lambda: RequestError(
+                ErrorCode.PEER_LIMIT,
+                "per-peer limit: your peer has a bandwidth probe running here already (one at a time)",
+            ),
+        ):
             if over(len(self.probes), self.max_probes):
-                raise RequestError(ErrorCode.PEER_LIMIT, f"this server answers {self.max_probes} bandwidth probes at "
-                                                         f"once; try again later")
+                raise RequestError(
+                    ErrorCode.PEER_LIMIT,
+                    f"this server answers {self.max_probes} bandwidth probes at once; try again later",
+                )
             self.probes.add(peer)
             try:
                 yield
@@ -125,8 +147,9 @@ class PeerLimits:
 
 
 @asynccontextmanager
-async def _slot(table: dict[str, _Slots], peer: str, capacity: int, wait: float,
-                refusal: Callable[[], RequestError]) -> AsyncIterator[None]:
+async def _slot(
+    table: dict[str, _Slots], peer: str, capacity: int, wait: float, refusal: Callable[[], RequestError]
+) -> AsyncIterator[None]:
     """Hold one of `peer`'s `capacity` slots in `table`, waiting `wait` seconds at most (in arrival order), else raise
     refusal(). A peer's entry lives while some call holds or waits for one of its slots."""
     slots = table.get(peer)
@@ -157,13 +180,15 @@ def _decrement(counter: Counter[str], key: str) -> None:
         del counter[key]
 
 
-async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                  reply_with: Callable[..., Awaitable[None]], message: str) -> None:
+async def _refuse(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply_with: Callable[..., Awaitable[None]], message: str
+) -> None:
     """Answer a stream refused before its handler with PEER_LIMIT, wait a moment for its peer to close it (closing
     first can lose the answer: see handler._await_peer_close), and drop it."""
     try:
-        await asyncio.wait_for(reply_with(writer, ErrorReply(code=ErrorCode.PEER_LIMIT, message=message)),
-                               REFUSAL_WRITE_TIMEOUT)
+        await asyncio.wait_for(
+            reply_with(writer, ErrorReply(code=ErrorCode.PEER_LIMIT, message=message)), REFUSAL_WRITE_TIMEOUT
+        )
         await asyncio.wait_for(_drain(reader), REFUSAL_LINGER)
     except (ConnectionError, asyncio.TimeoutError, RuntimeError, OSError):
         pass

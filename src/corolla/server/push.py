@@ -151,7 +151,8 @@ class PushPool:
         self._locks: dict[str, asyncio.Lock] = {}
         self.refusals: list[str] = []  # the last refusals pushes got (for logs and tests), newest last
 
-    async def send(self, peer_id: str, message: Message, tensors: Mapping[str, torch.Tensor], codec: str = "none") -> None:
+    async def send(self, peer_id: str, message: Message, tensors: Mapping[str, torch.Tensor], codec: str = "none"
+                   ) -> None:
         """Send one push to `peer_id`, hidden states in `codec` (a broken pooled stream is reopened once); raises on
         failure."""
         lock = self._locks.setdefault(peer_id, asyncio.Lock())
@@ -169,7 +170,8 @@ class PushPool:
     async def _stream(self, peer_id: str):
         if peer_id not in self._streams:
             _, reader, writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), rpc_handler_name("push")), self.timeout)
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), rpc_handler_name("push")), self.timeout
+            )
             task = asyncio.create_task(self._read_refusals(peer_id, reader))
             self._streams[peer_id] = (reader, writer, task)
         return self._streams[peer_id]

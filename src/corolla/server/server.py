@@ -62,7 +62,9 @@ class Server:
         if config.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {config.max_batch_size}")
         self.config = config
-        self.device = torch.device(config.tensor_parallel_devices[0] if config.tensor_parallel_devices else config.device)
+        self.device = torch.device(
+            config.tensor_parallel_devices[0] if config.tensor_parallel_devices else config.device
+        )
         self.model_config = load_config(config.model, cache_dir=config.cache_dir)
         self.dtype_name, self.dtype = resolve_dtype(config.dtype, checkpoint_dtype_name(self.model_config), self.device)
         self.bytes_per_block = 0  # resident bytes of one hosted block, measured once they load
@@ -84,8 +86,10 @@ class Server:
         self.handler: ConnectionHandler | None = None
         self.next_hops: NextHops | None = None  # round trips to the servers after ours, announced for push routing
         self.metrics = ServerMetrics()  # exported over HTTP only with --metrics-port
-        self.metrics.watch(lambda: len(self.handler.sessions) if self.handler else 0,
-                           lambda: self.allocator.budget if self.allocator else None)
+        self.metrics.watch(
+            lambda: len(self.handler.sessions) if self.handler else 0,
+            lambda: self.allocator.budget if self.allocator else None,
+        )
         self.on_online: list[Callable[[Server], None]] = []  # called each time the server goes ONLINE (after its
         # "serving blocks" line), e.g. by `corolla serve` to report readiness machine-readably
         self._stop = asyncio.Event()
@@ -149,7 +153,15 @@ class Server:
                 logger.info("started a new swarm; others join it with --initial-peers %s", ",".join(self.maddrs))
             self.start_block, self.end_block = await self._choose_blocks()
             model = ModelRecord(num_blocks=self.num_model_blocks, model_type=str(self.model_config.model_type)[:64])
-            announcer = Announcer(self.node.dht, self.prefix, self.node.peer_id, self.server_info, self.config.announce_period, self.config.expiration, model)
+            announcer = Announcer(
+                self.node.dht,
+                self.prefix,
+                self.node.peer_id,
+                self.server_info,
+                self.config.announce_period,
+                self.config.expiration,
+                model,
+            )
             # a rejoin attempt (3 s of pings at most) at least once per announce period while cut off: the record is
             # back in the DHT within one period of the network's return
             max_backoff = max(self.config.rejoin_period, min(30.0, self.config.announce_period) - 3.0)
@@ -159,8 +171,11 @@ class Server:
             tasks.append(asyncio.create_task(announcer.run()))
             self.next_hops = NextHops(self.node, self.prefix, self.num_model_blocks)
             serving_end = lambda: self.end_block if self.state == ServerState.ONLINE else None  # noqa: E731
-            tasks.append(asyncio.create_task(self.next_hops.run(self.config.announce_period, serving_end,
-                                                                announcer.refresh_soon)))
+            tasks.append(
+                asyncio.create_task(
+                    self.next_hops.run(self.config.announce_period, serving_end, announcer.refresh_soon)
+                )
+            )
             if self.config.balance_period > 0 and not self.config.blocks:
                 tasks.append(asyncio.create_task(self._rebalance(announcer, worker)))
             await self._stop.wait()
@@ -171,8 +186,13 @@ class Server:
         """Start this server's P2P node and DHT peer (identity, addresses, relays and swarm key as configured)."""
         config, begin = self.config, time.perf_counter()
         node = await create_swarm_node(
-            config.initial_peers, host=config.host, port=config.port, announce_maddrs=config.announce_maddrs,
-            identity_path=config.identity, use_relay=config.use_relay, relays=config.relays,
+            config.initial_peers,
+            host=config.host,
+            port=config.port,
+            announce_maddrs=config.announce_maddrs,
+            identity_path=config.identity,
+            use_relay=config.use_relay,
+            relays=config.relays,
             swarm_key=self.swarm_key,
         )
         self.maddrs = tuple(await node.maddrs())
@@ -194,26 +214,47 @@ class Server:
         self.state = ServerState.JOINING
         await announcer.announce()  # others see the blocks are being taken
         self.stack = await asyncio.get_running_loop().run_in_executor(None, self._load_blocks)
-        self.allocator = CacheAllocator(self._cache_tokens(), self.metrics, self.config.cache_queue_patience,
-                                        self.config.max_peer_cache_share)
+        self.allocator = CacheAllocator(
+            self._cache_tokens(), self.metrics, self.config.cache_queue_patience, self.config.max_peer_cache_share
+        )
         if not self.throughput:
             compute = await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
             network = await self._measure_network()
             self.throughput = announced_throughput(compute, network, self.end_block - self.start_block)
         gate = self.node.gate
-        self.handler = ConnectionHandler(self.stack, self.allocator, worker, self.config, self.info_reply, self.metrics,
-                                         authorize=gate.authorize if gate is not None else None, key=self.node.key)
+        self.handler = ConnectionHandler(
+            self.stack,
+            self.allocator,
+            worker,
+            self.config,
+            self.info_reply,
+            self.metrics,
+            authorize=gate.authorize if gate is not None else None,
+            key=self.node.key,
+        )
         if self._fault_armed:
             self.handler.arm_fault()
         await self.handler.register(self.node.p2p)
         self.state = ServerState.ONLINE
-        self.metrics.describe(peer_id=self.node.peer_id, model=self.prefix, blocks=f"{self.start_block}:{self.end_block}",
-                              dtype=self.dtype_name, quant=self.config.quant, version=corolla.__version__)
+        self.metrics.describe(
+            peer_id=self.node.peer_id,
+            model=self.prefix,
+            blocks=f"{self.start_block}:{self.end_block}",
+            dtype=self.dtype_name,
+            quant=self.config.quant,
+            version=corolla.__version__,
+        )
         await announcer.announce()
         logger.info(
             "serving blocks %d:%d of %s as %s (dht prefix %s, cache %d tokens, %.1f tokens/s per block) at %s",
-            self.start_block, self.end_block, self.config.model, self.node.peer_id, self.prefix,
-            self.allocator.budget.total, self.throughput, " ".join(self.maddrs),
+            self.start_block,
+            self.end_block,
+            self.config.model,
+            self.node.peer_id,
+            self.prefix,
+            self.allocator.budget.total,
+            self.throughput,
+            " ".join(self.maddrs),
         )
         for callback in self.on_online:
             callback(self)
@@ -236,8 +277,11 @@ class Server:
                 task.cancel()
             await asyncio.wait(sessions, timeout=5.0) if sessions else None
 
-    async def _shutdown(self, announcer: Announcer | None, tasks: list[asyncio.Task[None]], worker: ComputeWorker) -> None:
-        """Stop the background tasks, leave our blocks (OFFLINE, sessions moved away), then close the node and worker."""
+    async def _shutdown(
+        self, announcer: Announcer | None, tasks: list[asyncio.Task[None]], worker: ComputeWorker
+    ) -> None:
+        """Stop the background tasks, leave our blocks (OFFLINE, sessions moved away), then close the node and
+        worker."""
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -279,7 +323,9 @@ class Server:
         if target is not None:
             logger.info(
                 "rebalancing: moving from blocks %d:%d to %d:%d (swarm throughput per block: %s)",
-                *current, *target, [round(t, 1) for t in throughputs],
+                *current,
+                *target,
+                [round(t, 1) for t in throughputs],
             )
         return target
 
@@ -302,7 +348,9 @@ class Server:
         num = min(num, self.num_model_blocks)
         throughputs = await self._swarm_throughputs()
         start, end = choose_best_blocks(num, throughputs)
-        logger.info("chose blocks %d:%d (swarm throughput per block: %s)", start, end, [round(t, 1) for t in throughputs])
+        logger.info(
+            "chose blocks %d:%d (swarm throughput per block: %s)", start, end, [round(t, 1) for t in throughputs]
+        )
         return start, end
 
     async def _swarm_throughputs(self) -> list[float]:
@@ -329,8 +377,12 @@ class Server:
             bandwidth = load_cached(NETWORK_CACHE_KEY, max_age=NETWORK_CACHE_MAX_AGE)
             if bandwidth is None:
                 servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_model_blocks))
-                peers = {peer for by_peer in servers for peer, info in by_peer.items()
-                         if peer != self.node.peer_id and info.state == ServerState.ONLINE}
+                peers = {
+                    peer
+                    for by_peer in servers
+                    for peer, info in by_peer.items()
+                    if peer != self.node.peer_id and info.state == ServerState.ONLINE
+                }
                 bandwidth = await measure_bandwidth(self.node.p2p, random.sample(sorted(peers), len(peers)))
                 if bandwidth is None:
                     logger.info("network: no other server to measure against; throughput counts compute only")
@@ -344,8 +396,16 @@ class Server:
         return default_num_blocks(self.family, self.model_config, self.dtype, self.dtype_name, self.config.quant)
 
     def _load_blocks(self) -> BlockStack:
-        stack, self.bytes_per_block = load_stack(self.config, self.family, self.model_config, self.start_block,
-                                                 self.end_block, self.dtype, self.dtype_name, self.device)
+        stack, self.bytes_per_block = load_stack(
+            self.config,
+            self.family,
+            self.model_config,
+            self.start_block,
+            self.end_block,
+            self.dtype,
+            self.dtype_name,
+            self.device,
+        )
         return stack
 
     def _cache_tokens(self) -> int:
@@ -358,9 +418,13 @@ class Server:
         assert self.stack is not None
         layout = self.stack.layout
         key = {
-            "model_type": self.model_config.model_type, "hidden": self.model_config.hidden_size,
-            "intermediate": getattr(self.model_config, "intermediate_size", None), "kv": [layout.n_kv_heads, layout.head_dim],
-            "device": str(self.device), "dtype": self.dtype_name, "threads": torch.get_num_threads(),
+            "model_type": self.model_config.model_type,
+            "hidden": self.model_config.hidden_size,
+            "intermediate": getattr(self.model_config, "intermediate_size", None),
+            "kv": [layout.n_kv_heads, layout.head_dim],
+            "device": str(self.device),
+            "dtype": self.dtype_name,
+            "threads": torch.get_num_threads(),
             **({"quant": self.config.quant} if self.config.quant != "none" else {}),  # unquantized keys stay as before
         }
         if self.config.tensor_parallel_devices:
@@ -369,6 +433,11 @@ class Server:
         return cached_throughput(
             key,
             lambda: measure_block_throughput(
-                self.stack.blocks[0], self.stack.hidden_size, layout.n_kv_heads, layout.head_dim, self.dtype, self.device
+                self.stack.blocks[0],
+                self.stack.hidden_size,
+                layout.n_kv_heads,
+                layout.head_dim,
+                self.dtype,
+                self.device,
             ),
         )

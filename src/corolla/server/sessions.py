@@ -93,7 +93,9 @@ class SessionTable:
     @asynccontextmanager
     async def _open(self, request: OpenSession, peer: str, alive: Callable[[], bool]) -> AsyncIterator[ServerSession]:
         session_id = uuid.uuid4().hex
-        tokens = self.stack.cache_tokens(request.batch_size, request.max_length, request.blocks.start, request.blocks.end)
+        tokens = self.stack.cache_tokens(
+            request.batch_size, request.max_length, request.blocks.start, request.blocks.end
+        )
         timeout = min(request.alloc_timeout, self.max_alloc_timeout)
         problem = self.allocator.refusal(tokens)
         if problem is not None:
@@ -112,12 +114,32 @@ class SessionTable:
             if not alive():
                 raise ConnectionAbortedError("the requester left while its session queued for cache")
             blocks = request.blocks
-            logger.debug("session.open id=%s peer=%s blocks=%s max_length=%d batch=%d", session_id, peer, blocks,
-                         request.max_length, request.batch_size)
-            cache = await self.worker.run(PRIORITY_INFERENCE, self.stack.allocate_cache, request.batch_size,
-                                          request.max_length, blocks.start, blocks.end)
-            yield ServerSession(session_id, peer, blocks.start, blocks.end, request.batch_size, request.max_length,
-                                request.active_adapter, cache)
+            logger.debug(
+                "session.open id=%s peer=%s blocks=%s max_length=%d batch=%d",
+                session_id,
+                peer,
+                blocks,
+                request.max_length,
+                request.batch_size,
+            )
+            cache = await self.worker.run(
+                PRIORITY_INFERENCE,
+                self.stack.allocate_cache,
+                request.batch_size,
+                request.max_length,
+                blocks.start,
+                blocks.end,
+            )
+            yield ServerSession(
+                session_id,
+                peer,
+                blocks.start,
+                blocks.end,
+                request.batch_size,
+                request.max_length,
+                request.active_adapter,
+                cache,
+            )
         finally:
             self.tasks.pop(session_id, None)
             self.allocator.release(session_id)

@@ -64,7 +64,8 @@ ShardPairs = tuple[tuple[Tensor, Tensor], ...]  # one block's session cache: a (
 
 
 class BlockShard(Protocol):
-    """What every family's shard provides (``LlamaShard``, ``BloomShard``, ``FalconShard``); see the module docstring."""
+    """What every family's shard provides (``LlamaShard``, ``BloomShard``, ``FalconShard``); see the module
+    docstring."""
 
     n_kv_heads: int  # KV heads this shard caches
     head_dim: int
@@ -96,7 +97,8 @@ def check_tensor_parallel(family: ModelFamily, config: PretrainedConfig, devices
     """
     if family.name not in _SHARDERS:
         raise ValueError(
-            f"tensor parallelism is not supported for {family.name} yet; supported families: {', '.join(sorted(_SHARDERS))}"
+            f"tensor parallelism is not supported for {family.name} yet; supported families: "
+            f"{', '.join(sorted(_SHARDERS))}"
         )
     _SHARDERS[family.name][0](config, len(devices))
 
@@ -123,15 +125,18 @@ class TensorParallelBlock(nn.Module):
         pairs = []
         for shard, device in zip(self.shards, self.devices):
             shape = (batch_size, shard.n_kv_heads, max_length, shard.head_dim)
-            pairs.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
+            pairs.append(
+                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            )
         return tuple(pairs)
 
     def _per_shard(self, kv: Sequence[ShardKV] | None) -> list[ShardKV | None]:
         if kv is None:
             return [None] * len(self.shards)
         if isinstance(kv, RaggedKV) or len(kv) != len(self.shards) or isinstance(kv[0], Tensor):
-            raise ValueError(f"a tensor-parallel block takes one KV cache per shard ({len(self.shards)}), "
-                             f"got {type(kv).__name__}")
+            raise ValueError(
+                f"a tensor-parallel block takes one KV cache per shard ({len(self.shards)}), got {type(kv).__name__}"
+            )
         return list(kv)
 
     def _sum(self, partials: list[Tensor]) -> Tensor:
@@ -142,7 +147,8 @@ class TensorParallelBlock(nn.Module):
         return total
 
     def forward(self, hidden: Tensor, kv: Sequence[ShardKV] | None = None, position: int = 0) -> Tensor:
-        """Run the block on ``hidden`` (B, T, H); returns (B, T, H) on devices[0]. Cache semantics as the family block's.
+        """Run the block on ``hidden`` (B, T, H); returns (B, T, H) on devices[0]. Cache semantics as the family
+        block's.
 
         Raises ``ValueError`` for a negative position or a cache that is not one entry per shard (and whatever the
         shard blocks raise for a cache that does not fit).
@@ -153,8 +159,10 @@ class TensorParallelBlock(nn.Module):
         hidden = hidden.to(self.devices[0])
         for stage in range(self.num_stages):
             # every shard's work is queued before any partial is gathered, so devices compute side by side
-            partials = [shard.partial(stage, hidden.to(device), kv_s, position)
-                        for shard, device, kv_s in zip(self.shards, self.devices, kvs)]
+            partials = [
+                shard.partial(stage, hidden.to(device), kv_s, position)
+                for shard, device, kv_s in zip(self.shards, self.devices, kvs)
+            ]
             hidden = self.shards[0].residual(stage, hidden) + self._sum(partials)  # (B, T, H)
         return hidden
 
@@ -168,8 +176,14 @@ def _placed(shard: nn.Module, device: torch.device) -> nn.Module:
     return shard.to(device)
 
 
-def tensor_parallel_stack(blocks: list[TensorParallelBlock], start: int, hidden_size: int, layout: KVLayout,
-                          dtype: torch.dtype, max_chunk_tokens: int = 2048) -> BlockStack:
+def tensor_parallel_stack(
+    blocks: list[TensorParallelBlock],
+    start: int,
+    hidden_size: int,
+    layout: KVLayout,
+    dtype: torch.dtype,
+    max_chunk_tokens: int = 2048,
+) -> BlockStack:
     """A `BlockStack` of `TensorParallelBlock`s, on their first device, whose session caches are per shard
     (`ShardedKV`).
 
@@ -177,11 +191,14 @@ def tensor_parallel_stack(blocks: list[TensorParallelBlock], start: int, hidden_
     accounting includes the copies of a replicated KV head (Falcon multi-query).
     """
     layout = KVLayout(sum(shard.n_kv_heads for shard in blocks[0].shards), layout.head_dim)
-    return BlockStack(blocks, start, hidden_size, layout, dtype, blocks[0].devices[0], max_chunk_tokens, cache=ShardedKV)
+    return BlockStack(
+        blocks, start, hidden_size, layout, dtype, blocks[0].devices[0], max_chunk_tokens, cache=ShardedKV
+    )
 
 
-def build_tensor_parallel_block(family: ModelFamily, config: PretrainedConfig, block: nn.Module,
-                                devices: Sequence[str], quant: str = "none") -> TensorParallelBlock:
+def build_tensor_parallel_block(
+    family: ModelFamily, config: PretrainedConfig, block: nn.Module, devices: Sequence[str], quant: str = "none"
+) -> TensorParallelBlock:
     """Split a loaded full block (on any device, typically the CPU it was loaded on) over ``devices``, each shard
     quantized (``quant``: int8, nf4) on its way to its device, in the block's dtype.
 

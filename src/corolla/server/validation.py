@@ -120,7 +120,9 @@ class RequestChecks:
     def hidden(self, hidden: Tensor, batch_size: int | None = None) -> Tensor:
         """Hidden states (B, T, hidden_size), finite float, non-empty; B = batch_size if given."""
         if hidden.dtype not in FLOAT_DTYPES:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"hidden states must be float32/bfloat16/float16, got {hidden.dtype}")
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, f"hidden states must be float32/bfloat16/float16, got {hidden.dtype}"
+            )
         if hidden.ndim != 3 or hidden.shape[2] != self.hidden_size:
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
@@ -129,13 +131,21 @@ class RequestChecks:
         if hidden.shape[1] == 0 or hidden.shape[0] == 0:
             raise RequestError(ErrorCode.BAD_REQUEST, f"empty hidden states {tuple(hidden.shape)}")
         if batch_size is not None and hidden.shape[0] != batch_size:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"batch size {hidden.shape[0]} differs from the session's {batch_size}")
+            raise RequestError(
+                ErrorCode.BAD_REQUEST, f"batch size {hidden.shape[0]} differs from the session's {batch_size}"
+            )
         if not torch.isfinite(hidden).all():
             raise RequestError(ErrorCode.BAD_REQUEST, "hidden states contain NaN or inf")
         return hidden
 
-    def mask_and_prompts(self, tensors: Mapping[str, Tensor], hidden: Tensor, num_blocks: int, mask_length: int,
-                         max_positions: int | None = None) -> tuple[Tensor | None, Tensor | None]:
+    def mask_and_prompts(
+        self,
+        tensors: Mapping[str, Tensor],
+        hidden: Tensor,
+        num_blocks: int,
+        mask_length: int,
+        max_positions: int | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]:
         """The optional `attention_mask` (batch, mask_length), as bool on the CPU, and deep `prompts`
         (num_blocks, P, H) with P <= max_positions (default: hidden's length); with both, the first P slots of
         every row must be real."""
@@ -155,8 +165,16 @@ class RequestChecks:
         return mask, prompts
 
     # ------------------------------------------------------------------ whole requests
-    def step(self, message: InferenceStep, tensors: Mapping[str, Tensor], *, batch_size: int, held: int,
-             max_length: int, num_blocks: int) -> Step:
+    def step(
+        self,
+        message: InferenceStep,
+        tensors: Mapping[str, Tensor],
+        *,
+        batch_size: int,
+        held: int,
+        max_length: int,
+        num_blocks: int,
+    ) -> Step:
         """An inference step of a session of `batch_size` rows over `num_blocks` blocks that holds `held` tokens
         and may hold `max_length`."""
         hidden = self.hidden(tensors["hidden"], batch_size)
@@ -178,15 +196,18 @@ class RequestChecks:
             )
         return Step(message.step_id, hidden, message.position, mask, prompts, hypo_ids)
 
-    def forward(self, request: ForwardRequest, tensors: Mapping[str, Tensor]) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def forward(
+        self, request: ForwardRequest, tensors: Mapping[str, Tensor]
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(hidden (B, T, H), attention_mask (B, T) or None, prompts (n_blocks, P, H) or None) of a forward."""
         hidden = self.sequence(tensors["hidden"])
         blocks = request.blocks
         mask, prompts = self.mask_and_prompts(tensors, hidden, blocks.end - blocks.start, hidden.shape[1])
         return hidden, mask, prompts
 
-    def backward(self, request: BackwardRequest, tensors: Mapping[str, Tensor]
-                 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    def backward(
+        self, request: BackwardRequest, tensors: Mapping[str, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """(hidden, grad_output, attention_mask or None, prompts or None) of a backward, as `forward` takes them."""
         hidden = self.sequence(tensors["hidden"])
         try:

@@ -30,9 +30,25 @@ class ApiProcess:
     def __init__(self, model: str, peers: list[str], args: list[str], ready_timeout: float = 180.0):
         self.log: deque[str] = deque(maxlen=400)
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "corolla.cli.main", "api", model, "--initial-peers", ",".join(peers), "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "corolla.cli.main",
+                "api",
+                model,
+                "--initial-peers",
+                ",".join(peers),
+                "--port",
+                "0",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
         self.url = ""
         found = threading.Event()
 
@@ -61,12 +77,21 @@ class ApiProcess:
                 pass
 
 
-def request(url: str, body: dict | bytes | None = None, key: str | None = None, headers: dict | None = None,
-            timeout: float = 120.0) -> tuple[int, dict]:
+def request(
+    url: str,
+    body: dict | bytes | None = None,
+    key: str | None = None,
+    headers: dict | None = None,
+    timeout: float = 120.0,
+) -> tuple[int, dict]:
     """(HTTP status, JSON body) of a POST (with `body`) or GET."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url,
+        data=data,
+        method="POST" if data is not None else "GET",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     if key is not None:
         req.add_header("Authorization", f"Bearer {key}")
     try:
@@ -92,24 +117,40 @@ def api_attacks(model: str, peers: list[str], workdir: Path) -> list[AttackResul
         expected = alone.get("choices", [{}])[0].get("text") if status == 200 else None
 
         statuses = [request(f"{base}/models")[0], request(f"{base}/completions", honest_body, "not-a-key")[0]]
-        results.append(AttackResult("api without a valid key", statuses != [401, 401],
-                                    f"no key: HTTP {statuses[0]}, a wrong key: HTTP {statuses[1]}"))
+        results.append(
+            AttackResult(
+                "api without a valid key",
+                statuses != [401, 401],
+                f"no key: HTTP {statuses[0]}, a wrong key: HTTP {statuses[1]}",
+            )
+        )
 
-        hostile = [{**honest_body, "top_k": 2 ** 63}, {**honest_body, "logit_bias": {"²": 5}},
-                   {**honest_body, "n": 10 ** 6}, {**honest_body, "max_tokens": 2 ** 40}]
+        hostile = [
+            {**honest_body, "top_k": 2**63},
+            {**honest_body, "logit_bias": {"²": 5}},
+            {**honest_body, "n": 10**6},
+            {**honest_body, "max_tokens": 2**40},
+        ]
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             honest = [pool.submit(request, f"{base}/completions", honest_body, KEYS[0]) for _ in range(3)]
             bad = [pool.submit(request, f"{base}/completions", body, KEYS[1]) for body in hostile]
             honest_answers = [f.result() for f in honest]
             bad_statuses = [f.result()[0] for f in bad]
         texts = [answer.get("choices", [{}])[0].get("text") for status, answer in honest_answers if status == 200]
-        hurt = len(texts) != len(honest) or any(text != expected for text in texts) or any(s != 400 for s in bad_statuses)
-        results.append(AttackResult("api hostile parameters in a shared batch", hurt,
-                                    f"hostile requests: HTTP {bad_statuses}; honest streams beside them: "
-                                    f"{len(texts)}/{len(honest)} answered, all equal to the one run alone: "
-                                    f"{all(text == expected for text in texts)}"))
+        hurt = (
+            len(texts) != len(honest) or any(text != expected for text in texts) or any(s != 400 for s in bad_statuses)
+        )
+        results.append(
+            AttackResult(
+                "api hostile parameters in a shared batch",
+                hurt,
+                f"hostile requests: HTTP {bad_statuses}; honest streams beside them: "
+                f"{len(texts)}/{len(honest)} answered, all equal to the one run alone: "
+                f"{all(text == expected for text in texts)}",
+            )
+        )
 
-        status, _ = request(f"{base}/completions", b"{\"prompt\": \"" + b"x" * (2 << 20) + b"\"}", KEYS[1])
+        status, _ = request(f"{base}/completions", b'{"prompt": "' + b"x" * (2 << 20) + b'"}', KEYS[1])
         results.append(AttackResult("api oversized body", status != 413, f"a 2 MiB body: HTTP {status}"))
         status, _ = request(f"{base}/models", key=KEYS[0], headers={"Host": "attacker.example"})
         results.append(AttackResult("api foreign Host (DNS rebinding)", status not in (400, 421), f"HTTP {status}"))

@@ -215,12 +215,20 @@ async def erase_member_record(initial_peers: Sequence[str], prefix: str, block: 
                await squat_key(initial_peers, prefix, block, swarm_key),
                await shadow_key(initial_peers, prefix, block, victim, swarm_key)]
     return AttackResult("erase_member_record", any(r.succeeded for r in results),
-                        "; ".join(f"{r.attack}: {'SUCCEEDED' if r.succeeded else 'failed'} ({r.details})" for r in results))
+                        "; ".join(f"{r.attack}: {'SUCCEEDED' if r.succeeded else 'failed'} ({r.details})"
+                                  for r in results))
 
 
-async def flood_model_index(initial_peers: Sequence[str], entries: int = 64, *, swarm_key: SwarmKey | None = None,
-                            num_blocks: int = 4096, signed: bool = True, refresh_period: float = 0.5,
-                            window: float = 8.0) -> AttackResult:
+async def flood_model_index(
+    initial_peers: Sequence[str],
+    entries: int = 64,
+    *,
+    swarm_key: SwarmKey | None = None,
+    num_blocks: int = 4096,
+    signed: bool = True,
+    refresh_period: float = 0.5,
+    window: float = 8.0,
+) -> AttackResult:
     """Attack 4: a monitor refreshing every `refresh_period` s is watched for `window` s; then `entries` fake model
     index entries are stored (models "fake-N" of `num_blocks` blocks; each signed by a fresh key of its own when
     `signed`, else unsigned) and a fresh monitor is watched as long. It succeeds when the flooded monitor refreshed
@@ -231,19 +239,23 @@ async def flood_model_index(initial_peers: Sequence[str], entries: int = 64, *, 
     subkeys, values = [], []
     for i in range(entries):
         sybil = PeerKey.generate()
-        raw = MSGPackSerializer.dumps(IndexEntry(prefix=f"fake-{i:05d}", num_blocks=num_blocks,
-                                                 model_type="llama").model_dump(mode="json"))
+        raw = MSGPackSerializer.dumps(
+            IndexEntry(prefix=f"fake-{i:05d}", num_blocks=num_blocks, model_type="llama").model_dump(mode="json")
+        )
         subkeys.append(sybil.peer_id)
         values.append(seal(sybil, key_bytes, raw, expiration) if signed else raw)
     async with hostile_node(initial_peers, swarm_key) as node:
         accepted = await store_everywhere(node, MODEL_INDEX_KEY, subkeys, values, expiration)
         flooded = await _watch_monitor(initial_peers, swarm_key, refresh_period, window)
     fakes = sum(m.dht_prefix.startswith("fake-") for m in flooded.models)
-    return AttackResult("flood_model_index", flooded.refreshes < baseline.refreshes / 2,
-                        f"{entries} {'signed' if signed else 'unsigned'} entries, {accepted} accepted by peers; in "
-                        f"{window:.0f}s a monitor refreshed {baseline.refreshes} times before, {flooded.refreshes} "
-                        f"after (period {refresh_period}s; slowest refresh {flooded.slowest:.2f}s); {fakes} fake "
-                        f"model(s) shown; the real ones: {flooded.real}")
+    return AttackResult(
+        "flood_model_index",
+        flooded.refreshes < baseline.refreshes / 2,
+        f"{entries} {'signed' if signed else 'unsigned'} entries, {accepted} accepted by peers; in "
+        f"{window:.0f}s a monitor refreshed {baseline.refreshes} times before, {flooded.refreshes} "
+        f"after (period {refresh_period}s; slowest refresh {flooded.slowest:.2f}s); {fakes} fake "
+        f"model(s) shown; the real ones: {flooded.real}",
+    )
 
 
 @dataclass(frozen=True)
@@ -254,8 +266,9 @@ class MonitorWatch:
     real: tuple[str, ...]  # prefixes of the models shown that are not fakes
 
 
-async def _watch_monitor(initial_peers: Sequence[str], swarm_key: SwarmKey | None, refresh_period: float,
-                         window: float) -> MonitorWatch:
+async def _watch_monitor(
+    initial_peers: Sequence[str], swarm_key: SwarmKey | None, refresh_period: float, window: float
+) -> MonitorWatch:
     from corolla.monitor.config import MonitorConfig
     from corolla.monitor.source import SwarmMonitor
 
@@ -273,13 +286,21 @@ async def _watch_monitor(initial_peers: Sequence[str], swarm_key: SwarmKey | Non
     finally:
         await reader.shutdown()
     models = tuple(monitor.latest.models) if monitor.latest else ()
-    return MonitorWatch(monitor.refreshes, slowest, models,
-                        tuple(m.dht_prefix for m in models if not m.dht_prefix.startswith("fake-")))
+    return MonitorWatch(
+        monitor.refreshes, slowest, models, tuple(m.dht_prefix for m in models if not m.dht_prefix.startswith("fake-"))
+    )
 
 
-async def flood_block_keys(initial_peers: Sequence[str], prefix: str, blocks: Sequence[int], victim: str, *,
-                           swarm_key: SwarmKey | None = None, per_key: int = 256, read_timeout: float = 60.0
-                           ) -> AttackResult:
+async def flood_block_keys(
+    initial_peers: Sequence[str],
+    prefix: str,
+    blocks: Sequence[int],
+    victim: str,
+    *,
+    swarm_key: SwarmKey | None = None,
+    per_key: int = 256,
+    read_timeout: float = 60.0,
+) -> AttackResult:
     """Fill each block key with `per_key` records of nearly MAX_RECORD_BYTES, each signed by a fresh key; then a
     newcomer reads the blocks (within `read_timeout` s). It succeeds when the victim is missing from a block."""
     from corolla.dht.signed_records import MAX_RECORD_BYTES
@@ -302,7 +323,10 @@ async def flood_block_keys(initial_peers: Sequence[str], prefix: str, blocks: Se
         finally:
             await reader.shutdown()
     missing = [b for b, by_peer in zip(blocks, servers) if not _is_online(by_peer, victim)]
-    return AttackResult("flood_block_keys", bool(missing),
-                        f"{per_key} records of ~{MAX_RECORD_BYTES} bytes under each of {len(blocks)} keys, "
-                        f"{accepted} accepted by peers; a newcomer read them in {seconds:.1f}s; the victim is "
-                        f"missing from blocks {missing}")
+    return AttackResult(
+        "flood_block_keys",
+        bool(missing),
+        f"{per_key} records of ~{MAX_RECORD_BYTES} bytes under each of {len(blocks)} keys, "
+        f"{accepted} accepted by peers; a newcomer read them in {seconds:.1f}s; the victim is "
+        f"missing from blocks {missing}",
+    )

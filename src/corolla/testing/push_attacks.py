@@ -48,15 +48,23 @@ async def push_through_upstream(node: SwarmNode, upstream: str, blocks: tuple[in
     answers: list[str] = []
     outputs: list[torch.Tensor] = []
     try:
-        await write_frame(writer, OpenSession(protocol_version=PROTOCOL_VERSION, blocks=BlockRange(start=blocks[0], end=blocks[1]),
-                                              max_length=max(64, position + hidden.shape[1]),
-                                              push_to=PushTarget(peer_id=victim, secret=secret)))
+        await write_frame(
+            writer,
+            OpenSession(
+                protocol_version=PROTOCOL_VERSION,
+                blocks=BlockRange(start=blocks[0], end=blocks[1]),
+                max_length=max(64, position + hidden.shape[1]),
+                push_to=PushTarget(peer_id=victim, secret=secret),
+            ),
+        )
         opened, _ = await asyncio.wait_for(read_frame(reader), timeout)
         answers.append(_describe(opened))
         if not isinstance(opened, SessionOpened):
             return PushAttempt(tuple(answers), ())
         if position:  # fill the attacker's own session up to `position` first
-            await write_frame(writer, InferenceStep(step_id=1, position=0), {"hidden": torch.zeros(1, position, hidden.shape[-1])})
+            await write_frame(
+                writer, InferenceStep(step_id=1, position=0), {"hidden": torch.zeros(1, position, hidden.shape[-1])}
+            )
             reply, _ = await asyncio.wait_for(read_frame(reader), timeout)
             answers.append(_describe(reply))
         await write_frame(writer, InferenceStep(step_id=2, position=position, push=True), {"hidden": hidden})
@@ -76,14 +84,22 @@ async def push_through_upstream(node: SwarmNode, upstream: str, blocks: tuple[in
     return PushAttempt(tuple(answers), tuple(outputs))
 
 
-async def push_directly(node: SwarmNode, victim: str, secret: str, hidden: torch.Tensor, position: int,
-                        step_id: int = 1, timeout: float = 20.0) -> PushAttempt:
+async def push_directly(
+    node: SwarmNode,
+    victim: str,
+    secret: str,
+    hidden: torch.Tensor,
+    position: int,
+    step_id: int = 1,
+    timeout: float = 20.0,
+) -> PushAttempt:
     """Push a step straight into the victim server over rpc_push, signed with the attacker's own key (so the
     receipt is valid, only the attacker is not the pusher the owner named)."""
     reader, writer = await _stream(node, victim, "push")
     try:
-        message, tensors = outgoing_push(node.key, PushTarget(peer_id=victim, secret=secret), step_id, position, None,
-                                         False, hidden, None)
+        message, tensors = outgoing_push(
+            node.key, PushTarget(peer_id=victim, secret=secret), step_id, position, None, False, hidden, None
+        )
         await write_frame(writer, message, tensors)
         reply, _ = await asyncio.wait_for(read_frame(reader), timeout)
         return PushAttempt((_describe(reply),), ())
@@ -91,9 +107,14 @@ async def push_directly(node: SwarmNode, victim: str, secret: str, hidden: torch
         writer.close()
 
 
-
-async def unauthorized_push_frames(node: SwarmNode, victim: str, frames: int = 4, announced: int = 128 << 20,
-                                   sent: int = 1 << 20, timeout: float = 20.0) -> str:
+async def unauthorized_push_frames(
+    node: SwarmNode,
+    victim: str,
+    frames: int = 4,
+    announced: int = 128 << 20,
+    sent: int = 1 << 20,
+    timeout: float = 20.0,
+) -> str:
     """Open `frames` rpc_push streams to the victim, each announcing a frame of `announced` bytes and sending `sent`
     of them, from a peer no session names: a server that read such frames before authorizing them would hold
     frames x announced bytes. Returns the server's answers, joined."""

@@ -31,7 +31,15 @@ from hivemind.p2p import P2P, PeerID
 from corolla.client.server_info import request_info
 from corolla.protocol import PROTOCOL_VERSION, rpc_handler_name
 from corolla.protocol.framing import HEADER_LEN_BYTES, LEN_BYTES, MAX_HEADER_BYTES, abort_stream, write_frame
-from corolla.protocol.messages import MAX_BATCH_SIZE, MAX_PROBE_BYTES, BlockRange, ForwardRequest, InfoReply, OpenSession, ProbeRequest
+from corolla.protocol.messages import (
+    MAX_BATCH_SIZE,
+    MAX_PROBE_BYTES,
+    BlockRange,
+    ForwardRequest,
+    InfoReply,
+    OpenSession,
+    ProbeRequest,
+)
 from corolla.testing.results import AttackResult
 
 logger = logging.getLogger(__name__)
@@ -45,7 +53,8 @@ CONCURRENT_OPENS = 32  # streams opened at once by a flood
 async def open_stream(p2p: P2P, server: str, verb: str, timeout: float = OPEN_TIMEOUT) -> Stream:
     """A new stream to `server`'s rpc_`verb` handler."""
     _, reader, writer = await asyncio.wait_for(
-        p2p.call_binary_stream_handler(PeerID.from_base58(server), rpc_handler_name(verb)), timeout)
+        p2p.call_binary_stream_handler(PeerID.from_base58(server), rpc_handler_name(verb)), timeout
+    )
     return reader, writer
 
 
@@ -77,12 +86,27 @@ def drop(streams: list[Stream]) -> None:
     streams.clear()
 
 
-async def open_session(p2p: P2P, server: str, blocks: BlockRange, max_length: int, batch_size: int = 1,
-                       alloc_timeout: float = 0.0, wait: float = 30.0) -> tuple[Stream, str, str]:
+async def open_session(
+    p2p: P2P,
+    server: str,
+    blocks: BlockRange,
+    max_length: int,
+    batch_size: int = 1,
+    alloc_timeout: float = 0.0,
+    wait: float = 30.0,
+) -> tuple[Stream, str, str]:
     """Open an inference session; returns its stream and the server's answer (outcome, message) within `wait`."""
     stream = await open_stream(p2p, server, "inference")
-    await write_frame(stream[1], OpenSession(protocol_version=PROTOCOL_VERSION, blocks=blocks, max_length=max_length,
-                                             batch_size=batch_size, alloc_timeout=alloc_timeout))
+    await write_frame(
+        stream[1],
+        OpenSession(
+            protocol_version=PROTOCOL_VERSION,
+            blocks=blocks,
+            max_length=max_length,
+            batch_size=batch_size,
+            alloc_timeout=alloc_timeout,
+        ),
+    )
     outcome, message = await answer_kind(stream[0], wait)
     return stream, outcome, message
 
@@ -135,8 +159,9 @@ def _whole_budget(total: int, max_length: int) -> tuple[int, int] | None:
 
 
 # ---------------------------------------------------------------- 1. the cache queue
-async def cache_queue_attack(attacker: P2P, honest: P2P, server: str, honest_length: int = 64,
-                             wait: float = 10.0) -> AttackResult:
+async def cache_queue_attack(
+    attacker: P2P, honest: P2P, server: str, honest_length: int = 64, wait: float = 10.0
+) -> AttackResult:
     """The attacker holds a 1-token session and queues a session for the server's whole budget (which can only ever
     fit once the attacker lets go of its token); then the honest peer opens a session of `honest_length` tokens,
     waiting up to `wait` seconds. Succeeded: the honest session was refused or waited more than wait / 2."""
@@ -153,25 +178,45 @@ async def cache_queue_attack(attacker: P2P, honest: P2P, server: str, honest_len
             return AttackResult("cache_queue", False, f"the attacker's 1-token session was refused: {outcome}")
         queued = await open_stream(attacker, server, "inference")
         streams.append(queued)
-        await write_frame(queued[1], OpenSession(protocol_version=PROTOCOL_VERSION, blocks=blocks, max_length=shape[1],
-                                                 batch_size=shape[0], alloc_timeout=3 * wait))
+        await write_frame(
+            queued[1],
+            OpenSession(
+                protocol_version=PROTOCOL_VERSION,
+                blocks=blocks,
+                max_length=shape[1],
+                batch_size=shape[0],
+                alloc_timeout=3 * wait,
+            ),
+        )
         early, _ = await answer_kind(queued[0], 1.0)  # queued (silent), or refused at once
         begin = time.monotonic()
-        mine, outcome, message = await open_session(honest, server, blocks, max_length=honest_length,
-                                                    alloc_timeout=wait, wait=wait + 30)
+        mine, outcome, message = await open_session(
+            honest, server, blocks, max_length=honest_length, alloc_timeout=wait, wait=wait + 30
+        )
         waited = time.monotonic() - begin
         streams.append(mine)
     finally:
         drop(streams)
     hurt = outcome != "ok:session_opened" or waited > wait / 2
-    return AttackResult("cache_queue", hurt, f"attacker queued {shape[0]} x {shape[1]} = {info.cache_tokens_total} "
-                        f"tokens behind its 1 ({early} after 1 s); the honest {honest_length}-token session: {outcome} "
-                        f"after {waited:.2f}s {message}".strip())
+    return AttackResult(
+        "cache_queue",
+        hurt,
+        f"attacker queued {shape[0]} x {shape[1]} = {info.cache_tokens_total} "
+        f"tokens behind its 1 ({early} after 1 s); the honest {honest_length}-token session: {outcome} "
+        f"after {waited:.2f}s {message}".strip(),
+    )
 
 
 # ---------------------------------------------------------------- 2. probe replies
-async def probe_attack(attacker: P2P, server: str, server_pid: int | None = None, probes: int = 8,
-                       reply_bytes: int = MAX_PROBE_BYTES, hold: float = 10.0, rss_mib: float = 256.0) -> AttackResult:
+async def probe_attack(
+    attacker: P2P,
+    server: str,
+    server_pid: int | None = None,
+    probes: int = 8,
+    reply_bytes: int = MAX_PROBE_BYTES,
+    hold: float = 10.0,
+    rss_mib: float = 256.0,
+) -> AttackResult:
     """`probes` streams each asking for `reply_bytes` back (with a 75-byte request) and never reading, held `hold`
     seconds while the server's memory is watched. Succeeded: more than one probe answered at once, or the server's
     resident memory (with its p2pd) grew by more than `rss_mib` MiB."""
@@ -181,8 +226,9 @@ async def probe_attack(attacker: P2P, server: str, server_pid: int | None = None
         for _ in range(probes):
             stream = await open_stream(attacker, server, "probe")
             streams.append(stream)
-            await write_frame(stream[1], ProbeRequest(reply_bytes=reply_bytes),
-                              {"payload": torch.zeros(0, dtype=torch.int32)})
+            await write_frame(
+                stream[1], ProbeRequest(reply_bytes=reply_bytes), {"payload": torch.zeros(0, dtype=torch.int32)}
+            )
         deadline = time.monotonic() + hold
         while time.monotonic() < deadline:
             await asyncio.sleep(0.25)
@@ -204,8 +250,9 @@ async def probe_attack(attacker: P2P, server: str, server_pid: int | None = None
 
 
 # ---------------------------------------------------------------- 4. forward/backward sizes
-async def pass_attack(attacker: P2P, server: str, rows: int = 1024, length: int = 64,
-                      announced: int = 512 << 20) -> AttackResult:
+async def pass_attack(
+    attacker: P2P, server: str, rows: int = 1024, length: int = 64, announced: int = 512 << 20
+) -> AttackResult:
     """Two rpc_forward streams: one announces a frame of `announced` bytes and sends none of it (a server that waits
     for it would read that much into memory); one sends a real forward of `rows` x `length` tokens (at most the
     server's session length each). Succeeded: the server did not refuse the announced frame at once (it would read it),
@@ -224,23 +271,38 @@ async def pass_attack(attacker: P2P, server: str, rows: int = 1024, length: int 
         many = await open_stream(attacker, server, "forward")
         streams.append(many)
         begin = time.monotonic()
-        await write_frame(many[1], ForwardRequest(protocol_version=PROTOCOL_VERSION, blocks=blocks),
-                          {"hidden": torch.zeros(rows, length, reply.hidden_size)})
+        await write_frame(
+            many[1],
+            ForwardRequest(protocol_version=PROTOCOL_VERSION, blocks=blocks),
+            {"hidden": torch.zeros(rows, length, reply.hidden_size)},
+        )
         computed, computed_message = await answer_kind(many[0], 300.0)
         took = time.monotonic() - begin
     finally:
         drop(streams)
     refused_unread = unread == "error:bad_request" and "exceeds the limit" in unread_message
     hurt = not refused_unread or computed == "ok:forward_result"
-    return AttackResult("pass", hurt, f"{announced}-byte frame announced: {unread} {unread_message[:120]}; forward of "
-                        f"{rows} x {length} = {rows * length} tokens: {computed} after {took:.1f}s "
-                        f"{computed_message[:120]}".strip())
+    return AttackResult(
+        "pass",
+        hurt,
+        f"{announced}-byte frame announced: {unread} {unread_message[:120]}; forward of "
+        f"{rows} x {length} = {rows * length} tokens: {computed} after {took:.1f}s "
+        f"{computed_message[:120]}".strip(),
+    )
 
 
 # ---------------------------------------------------------------- 5. streams and sessions
-async def flood_attack(attacker: P2P, honest: P2P, server: str, server_pid: int | None = None, sessions: int = 400,
-                       streams: int = 300, max_sessions: int = 384, max_streams: int = 512,
-                       wait: float = 5.0) -> AttackResult:
+async def flood_attack(
+    attacker: P2P,
+    honest: P2P,
+    server: str,
+    server_pid: int | None = None,
+    sessions: int = 400,
+    streams: int = 300,
+    max_sessions: int = 384,
+    max_streams: int = 512,
+    wait: float = 5.0,
+) -> AttackResult:
     """From one peer, `sessions` 1-token sessions, then `streams` silent rpc_info streams, all held open; then an
     honest peer opens a session. `max_sessions` and `max_streams`: the per-peer limits the server should keep (its
     defaults: 384 and 512). Succeeded: the attacker held more sessions or streams than those at once, or the honest
@@ -277,8 +339,9 @@ async def flood_attack(attacker: P2P, honest: P2P, server: str, server_pid: int 
         opened_streams = await asyncio.gather(*(one_stream() for _ in range(streams)))
         stream_outcomes = await asyncio.gather(*(outcome_of(stream) for stream in opened_streams))
         fds_peak = open_fds(server_pid) if server_pid else 0
-        mine, honest_outcome, message = await open_session(honest, server, blocks, max_length=16, alloc_timeout=wait,
-                                                           wait=wait + 30)
+        mine, honest_outcome, message = await open_session(
+            honest, server, blocks, max_length=16, alloc_timeout=wait, wait=wait + 30
+        )
         held.append(mine)
     finally:
         drop(held)
@@ -286,9 +349,13 @@ async def flood_attack(attacker: P2P, honest: P2P, server: str, server_pid: int 
     accepted = stream_outcomes.count("silent")
     hurt = opened > max_sessions or opened + accepted > max_streams or honest_outcome != "ok:session_opened"
     fds = f"; server fds {fds_before} -> {fds_peak}" if server_pid else ""
-    return AttackResult("flood", hurt, f"sessions {opened} of {sessions} opened ({_counts(session_outcomes)}), silent "
-                        f"streams {accepted} of {streams} held ({_counts(stream_outcomes)}){fds}; honest session: "
-                        f"{honest_outcome} {message}".strip())
+    return AttackResult(
+        "flood",
+        hurt,
+        f"sessions {opened} of {sessions} opened ({_counts(session_outcomes)}), silent "
+        f"streams {accepted} of {streams} held ({_counts(stream_outcomes)}){fds}; honest session: "
+        f"{honest_outcome} {message}".strip(),
+    )
 
 
 def _counts(outcomes: list[str]) -> dict[str, int]:

@@ -40,13 +40,16 @@ from corolla.models.ragged import RaggedKV
 
 
 def check_bloom_shardable(config: PretrainedConfig, num_shards: int) -> None:
-    """Raise ``ValueError`` unless a BLOOM block of ``config`` splits into ``num_shards`` shards (a head each, at least)."""
+    """Raise ``ValueError`` unless a BLOOM block of ``config`` splits into ``num_shards`` shards (a head each, at
+    least)."""
     n_heads, _ = kv_layout(config)
     if num_shards < 1:
         raise ValueError(f"tensor parallelism needs at least one device, got {num_shards}")
     if n_heads < num_shards:
-        raise ValueError(f"cannot split {n_heads} attention heads over {num_shards} tensor-parallel devices: each "
-                         f"shard needs whole heads; use at most {n_heads} devices")
+        raise ValueError(
+            f"cannot split {n_heads} attention heads over {num_shards} tensor-parallel devices: each "
+            f"shard needs whole heads; use at most {n_heads} devices"
+        )
 
 
 class BloomShardAttention(BloomAttention):
@@ -112,7 +115,8 @@ class BloomShard(nn.Module):
         return self.input_layernorm if stage == 0 else self.post_attention_layernorm
 
     def residual(self, stage: int, hidden: Tensor) -> Tensor:
-        """hidden (B, T, H) -> the stage's residual (B, T, H): its LayerNorm output with post-LN residuals, else hidden."""
+        """hidden (B, T, H) -> the stage's residual (B, T, H): its LayerNorm output with post-LN residuals, else
+        hidden."""
         return self._norm(stage)(hidden) if self.post_ln_residual else hidden
 
     def partial(self, stage: int, hidden: Tensor, kv: tuple[Tensor, Tensor] | RaggedKV | None, position: int) -> Tensor:
@@ -122,8 +126,9 @@ class BloomShard(nn.Module):
         return self.self_attention(normed, kv, position) if stage == 0 else self.mlp(normed)
 
 
-def _linear_slices(full: dict[str, Tensor], heads: tuple[int, int], inner: tuple[int, int],
-                   head_dim: int) -> dict[str, LinearSlice]:
+def _linear_slices(
+    full: dict[str, Tensor], heads: tuple[int, int], inner: tuple[int, int], head_dim: int
+) -> dict[str, LinearSlice]:
     """The rows (column-parallel) or columns (row-parallel) a shard holding ``heads`` and ``inner`` features takes
     of each full linear layer (see the module docstring for the layout); its tensors follow by ``sliced_state``."""
     (a, b), (c, d) = heads, inner
@@ -133,7 +138,10 @@ def _linear_slices(full: dict[str, Tensor], heads: tuple[int, int], inner: tuple
         "mlp.dense_h_to_4h": (0, torch.arange(c, d)),
         "mlp.dense_4h_to_h": (1, torch.arange(c, d)),
     }
-    return {layer: LinearSlice(layer, dim, index, tuple(full[f"{layer}.weight"].shape)) for layer, (dim, index) in taken.items()}
+    return {
+        layer: LinearSlice(layer, dim, index, tuple(full[f"{layer}.weight"].shape))
+        for layer, (dim, index) in taken.items()
+    }
 
 
 def shard_bloom_block(block: BloomBlock, config: PretrainedConfig, num_shards: int) -> list[BloomShard]:
@@ -147,11 +155,13 @@ def shard_bloom_block(block: BloomBlock, config: PretrainedConfig, num_shards: i
     full = block.state_dict()
     param = next(block.parameters())
     shards = []
-    for s, (heads, inner) in enumerate(zip(split_evenly(n_heads, num_shards),
-                                           split_evenly(4 * int(config.hidden_size), num_shards))):
+    for s, (heads, inner) in enumerate(
+        zip(split_evenly(n_heads, num_shards), split_evenly(4 * int(config.hidden_size), num_shards))
+    ):
         shard = BloomShard(config, heads, inner[1] - inner[0]).to(param.device, param.dtype)
         shard.linear_slices = _linear_slices(full, heads, inner, head_dim)
-        load_exact_state(shard.state_dict(), sliced_state(full, shard.linear_slices, s == 0),
-                         f"block {block.layer_idx} shard {s}")
+        load_exact_state(
+            shard.state_dict(), sliced_state(full, shard.linear_slices, s == 0), f"block {block.layer_idx} shard {s}"
+        )
         shards.append(shard.eval().requires_grad_(False))
     return shards

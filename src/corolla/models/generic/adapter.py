@@ -1,5 +1,6 @@
 """The one place corolla calls the installed transformers' decoder layers: called, never subclassed or patched
-(subclassing is what pinned Petals to one transformers version). Everything that depends on how a transformers decoder layer, its rotary embedding and its KV cache are
+(subclassing is what pinned Petals to one transformers version). Everything that depends on how a transformers decoder
+layer, its rotary embedding and its KV cache are
 called lives here, so a transformers upgrade that changes it fails here, loudly, and in
 tests/models/test_generic_adapter.py, which pins this calling convention.
 
@@ -68,11 +69,17 @@ class LayerSignature:
             absent = missing + ([] if cache else [" or ".join(CACHE_PARAMETERS)])
             raise LayerCallError(f"decoder layer {name}.forward takes no {', '.join(absent)}")
         known = {*REQUIRED_PARAMETERS, *OPTIONAL_PARAMETERS, *CACHE_PARAMETERS}
-        extra = [p.name for p in parameters.values() if p.name not in known
-                 and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.default is inspect.Parameter.empty]
+        extra = [
+            p.name
+            for p in parameters.values()
+            if p.name not in known
+            and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            and p.default is inspect.Parameter.empty
+        ]
         if extra:
-            raise LayerCallError(f"decoder layer {name}.forward requires inputs a transformer block does not have: "
-                                 f"{', '.join(extra)}")
+            raise LayerCallError(
+                f"decoder layer {name}.forward requires inputs a transformer block does not have: {', '.join(extra)}"
+            )
         return cls(layer_class, cache[0], "position_ids" in parameters, "use_cache" in parameters)
 
 
@@ -115,11 +122,21 @@ def make_cache(layer_idx: int, access: KVAccess | None) -> Cache | None:
     return Cache(layers=[ours] * (layer_idx + 1))
 
 
-def call_layer(layer: nn.Module, signature: LayerSignature, hidden: Tensor, *, attention_mask: Tensor | None,
-               position_ids: Tensor, position_embeddings: tuple[Tensor, Tensor], cache: Cache | None) -> Tensor:
+def call_layer(
+    layer: nn.Module,
+    signature: LayerSignature,
+    hidden: Tensor,
+    *,
+    attention_mask: Tensor | None,
+    position_ids: Tensor,
+    position_embeddings: tuple[Tensor, Tensor],
+    cache: Cache | None,
+) -> Tensor:
     """Run one HF decoder layer by the calling convention (module docstring): hidden (B, T, H) -> (B, T, H)."""
     kwargs: dict[str, Any] = {
-        "hidden_states": hidden, "attention_mask": attention_mask, "position_embeddings": position_embeddings,
+        "hidden_states": hidden,
+        "attention_mask": attention_mask,
+        "position_embeddings": position_embeddings,
         signature.cache_parameter: cache,
     }
     if signature.takes_position_ids:
@@ -130,8 +147,10 @@ def call_layer(layer: nn.Module, signature: LayerSignature, hidden: Tensor, *, a
     if isinstance(out, tuple):  # layers of older style return (hidden_states, ...)
         out = out[0]
     if not isinstance(out, Tensor) or out.shape != hidden.shape:
-        raise LayerCallError(f"{type(layer).__name__} returned {type(out).__name__} "
-                             f"{tuple(getattr(out, 'shape', ()))}, expected hidden states {tuple(hidden.shape)}")
+        raise LayerCallError(
+            f"{type(layer).__name__} returned {type(out).__name__} "
+            f"{tuple(getattr(out, 'shape', ()))}, expected hidden states {tuple(hidden.shape)}"
+        )
     return out
 
 
@@ -200,8 +219,9 @@ class _ProbeLayer(CacheLayerMixin):
         return -1
 
 
-def probe_kv_shapes(layer: nn.Module, signature: LayerSignature, rotary: RotaryCall, layer_idx: int,
-                    hidden_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def probe_kv_shapes(
+    layer: nn.Module, signature: LayerSignature, rotary: RotaryCall, layer_idx: int, hidden_size: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Call a layer built on the meta device with one token and a probing cache; returns the shapes of the keys and
     values it stores, each (1, n_kv_heads, 1, head_dim). Nothing is computed (meta tensors). Raises
     ``LayerCallError`` when the layer stores nothing through the cache (state of another kind, e.g. recurrent),
@@ -212,16 +232,26 @@ def probe_kv_shapes(layer: nn.Module, signature: LayerSignature, rotary: RotaryC
     try:
         with torch.device("meta"):
             cos_sin = rotary(x, ids)
-        call_layer(layer, signature, x, attention_mask=None, position_ids=ids, position_embeddings=cos_sin,
-                   cache=Cache(layers=[probe] * (layer_idx + 1)))
+        call_layer(
+            layer,
+            signature,
+            x,
+            attention_mask=None,
+            position_ids=ids,
+            position_embeddings=cos_sin,
+            cache=Cache(layers=[probe] * (layer_idx + 1)),
+        )
     except _Probed:
         assert probe.shapes is not None
         return probe.shapes
     except Exception as e:  # noqa: BLE001 (any failure of a foreign layer is reported as "does not fit")
-        raise LayerCallError(f"{type(layer).__name__} failed on a probe call before storing keys and values: "
-                             f"{type(e).__name__}: {e}") from e
-    raise LayerCallError(f"{type(layer).__name__} stores no keys and values through the cache (its state is of "
-                         "another kind, e.g. recurrent or convolutional)")
+        raise LayerCallError(
+            f"{type(layer).__name__} failed on a probe call before storing keys and values: {type(e).__name__}: {e}"
+        ) from e
+    raise LayerCallError(
+        f"{type(layer).__name__} stores no keys and values through the cache (its state is of "
+        "another kind, e.g. recurrent or convolutional)"
+    )
 
 
 def attention_mask_for(implementation: str, allowed: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -232,5 +262,6 @@ def attention_mask_for(implementation: str, allowed: Tensor | None, dtype: torch
     if implementation == "eager":
         zero = torch.zeros((), dtype=dtype, device=allowed.device)
         return torch.where(allowed, zero, torch.finfo(dtype).min)
-    raise LayerCallError(f"attention implementation {implementation!r} is not supported; use one of "
-                         f"{ATTENTION_IMPLEMENTATIONS}")
+    raise LayerCallError(
+        f"attention implementation {implementation!r} is not supported; use one of {ATTENTION_IMPLEMENTATIONS}"
+    )

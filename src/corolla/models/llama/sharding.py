@@ -101,7 +101,8 @@ def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
 
 
 def check_shardable(config: PretrainedConfig, num_shards: int) -> None:
-    """Raise ``ValueError`` unless a block of ``config`` splits into ``num_shards`` shards (one KV head each, at least)."""
+    """Raise ``ValueError`` unless a block of ``config`` splits into ``num_shards`` shards (one KV head each, at
+    least)."""
     n_kv_heads, _ = kv_layout(config)
     if num_shards < 1:
         raise ValueError(f"tensor parallelism needs at least one device, got {num_shards}")
@@ -149,7 +150,9 @@ class LlamaShard(nn.Module):
         return self.attention_partial(hidden, kv, position) if stage == 0 else self.mlp_partial(hidden)
 
 
-def _shard_config(config: PretrainedConfig, kv_heads: int, q_per_kv: int, inner: int, head_dim: int) -> PretrainedConfig:
+def _shard_config(
+    config: PretrainedConfig, kv_heads: int, q_per_kv: int, inner: int, head_dim: int
+) -> PretrainedConfig:
     """A copy of ``config`` for a shard with ``kv_heads`` KV heads and ``inner`` MLP features (head_dim pinned)."""
     shard = copy.deepcopy(config)
     shard.num_attention_heads = kv_heads * q_per_kv
@@ -159,8 +162,9 @@ def _shard_config(config: PretrainedConfig, kv_heads: int, q_per_kv: int, inner:
     return shard
 
 
-def _shard_state(full: Mapping[str, Tensor], slices: Mapping[str, LinearSlice], inner: tuple[int, int],
-                 first: bool) -> dict[str, Tensor]:
+def _shard_state(
+    full: Mapping[str, Tensor], slices: Mapping[str, LinearSlice], inner: tuple[int, int], first: bool
+) -> dict[str, Tensor]:
     """A shard's tensors: the linear layers by ``slices`` (``sliced_state``), Mixtral's experts by ``inner``."""
     state = sliced_state(full, slices, first)
     a, b = inner
@@ -203,13 +207,19 @@ def shard_llama_block(block: LlamaBlock, config: PretrainedConfig, num_shards: i
     full = block.state_dict()
     param = next(block.parameters())
     shards = []
-    for s, ((ka, kb), (ia, ib)) in enumerate(zip(split_evenly(n_kv_heads, num_shards), split_evenly(inner, num_shards))):
-        ranges = {"kv": (ka * head_dim, kb * head_dim), "q": (ka * q_per_kv * head_dim, kb * q_per_kv * head_dim),
-                  "inner": (ia, ib)}
+    for s, ((ka, kb), (ia, ib)) in enumerate(
+        zip(split_evenly(n_kv_heads, num_shards), split_evenly(inner, num_shards))
+    ):
+        ranges = {
+            "kv": (ka * head_dim, kb * head_dim),
+            "q": (ka * q_per_kv * head_dim, kb * q_per_kv * head_dim),
+            "inner": (ia, ib),
+        }
         shard_block = type(block)(_shard_config(config, kb - ka, q_per_kv, ib - ia, head_dim), block.layer_idx)
         shard_block = shard_block.to(param.device, param.dtype)
         slices = _linear_slices(full, ranges)
-        load_exact_state(shard_block.state_dict(), _shard_state(full, slices, (ia, ib), s == 0),
-                         f"block {block.layer_idx} shard {s}")
+        load_exact_state(
+            shard_block.state_dict(), _shard_state(full, slices, (ia, ib), s == 0), f"block {block.layer_idx} shard {s}"
+        )
         shards.append(LlamaShard(shard_block.eval().requires_grad_(False), slices))
     return shards
