@@ -378,8 +378,9 @@ class ConnectionHandler:
         header); a push whose receipt is not the pusher's signature of what it sent is refused on this stream, which
         then ends; a push that no session accepts is refused, and the stream ends after MAX_REFUSED_PUSHES of them in
         a row (one persistent stream carries many sessions' pushes: ending it at the first push into a session that
-        just closed would lose the others' pushes already on their way). A pushed step the session cannot take (not finite, past its
-        length...) goes to the owner as PushRefused, with the receipt, and leaves the session as it was."""
+        just closed would lose the others' pushes already on their way). A pushed step the session cannot take (not
+        finite, past its length...) goes to the owner as PushRefused, with the receipt, and leaves the session as it
+        was."""
         refused = 0  # pushes refused in a row on this stream
         while True:
             limit = max(
