@@ -61,7 +61,7 @@ def test_an_answer_claiming_an_infinite_expiration_cannot_hide_a_record(swarm):
     assert not result.succeeded, result.details
 
 
-@pytest.mark.parametrize("entries", [64, 10_000])
+@pytest.mark.parametrize("entries", [64, pytest.param(10_000, marks=pytest.mark.slow)])
 def test_a_flooded_model_index_keeps_the_monitor_refreshing_on_schedule(swarm, entries):
     result = asyncio.run(dht_attacks.flood_model_index(swarm.peers, entries, refresh_period=0.5, window=6.0))
     assert not result.succeeded, result.details

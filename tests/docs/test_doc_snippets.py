@@ -103,6 +103,7 @@ def test_a_page_breaking_the_rules_is_refused(tmp_path):
             extract(page, tmp_path)
 
 
+@pytest.mark.slow  # minutes of swarm commands, run by `make test-all` (CI); `pytest tests/docs -m ""` runs them alone
 @pytest.mark.parametrize("page", runnable_pages())
 def test_page_snippets_run_as_written(page: str, docs_swarm, tmp_path: Path):
     env, names = docs_swarm
