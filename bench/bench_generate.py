@@ -240,9 +240,9 @@ def time_local(
 
 @torch.inference_mode()
 def bench_swarm(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int, num_layers: int,
-                server_env: dict[str, str] | None = None) -> tuple[dict, list[int], bool]:
+                server_env: dict[str, str] | None = None, compression: str = "none") -> tuple[dict, list[int], bool]:
     """Start a DHT peer and two servers (half the blocks each; `server_env` added to their environment), time the
-    same loop through an inference session."""
+    same loop through an inference session whose hidden states cross the network in codec `compression`."""
     from corolla import AutoDistributedModelForCausalLM
     from corolla.cli.local_swarm import LocalSwarm
 
@@ -255,7 +255,7 @@ def bench_swarm(path: Path, ids: torch.Tensor, new_tokens: int, repeats: int, nu
             swarm.wait_ready(server, timeout=600)
         log("swarm ready")
         model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=peers,
-                                                                torch_dtype=torch.float32)
+                                                                torch_dtype=torch.float32, compression=compression)
         try:
             head = model.head
 
@@ -310,7 +310,7 @@ def bench_model(
     log(f"{name}: local {local['prefill_s']} s prefill, {local['decode_ms_per_token']} ms/token; starting swarm")
     env = {"COROLLA_BACKEND": "generic"} if name.endswith(GENERIC_SUFFIX) else None
     swarm, swarm_tokens, swarm_gen_ok = bench_swarm(
-        path, ids, args.new_tokens, args.repeats, config.num_hidden_layers, env
+        path, ids, args.new_tokens, args.repeats, config.num_hidden_layers, env, args.compression
     )
     log(f"{name}: swarm {swarm['prefill_s']} s prefill, {swarm['decode_ms_per_token']} ms/token")
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
@@ -388,6 +388,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (median reported)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length")
+    parser.add_argument("--compression", default="none", help="the swarm session's activation codec (none: exact)")
     parser.add_argument(
         "--cache-dir",
         default=os.environ.get("COROLLA_BENCH_CACHE", "/tmp/corolla-bench"),
@@ -418,6 +419,7 @@ def main() -> int:
             "dtype": "float32",
             "greedy": True,
             "servers": 2,
+            "compression": args.compression,
             "blocks_per_server": "half each",
         },
         "method": METHOD,

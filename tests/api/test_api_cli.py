@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
+from conftest import run_corolla
 from corolla.api.config import ApiConfig
 from corolla.cli.main import build_parser
 
@@ -20,23 +20,20 @@ def test_api_flags_match_the_design_contract_and_default_from_the_config():
 
 
 def test_api_without_initial_peers_is_a_clear_error():
-    run = subprocess.run([sys.executable, "-m", "corolla.cli.main", "api", "some/model"], capture_output=True,
-                         text=True, timeout=120)
+    run = run_corolla("api", "some/model")
     assert run.returncode == 2 and "--initial-peers is required" in run.stderr
     assert "Traceback" not in run.stderr
 
 
 def test_api_help():
-    run = subprocess.run([sys.executable, "-m", "corolla.cli.main", "api", "--help"], capture_output=True, text=True,
-                         timeout=120)
+    run = run_corolla("api", "--help")
     assert run.returncode == 0
     for flag in ("--initial-peers", "--host", "--port", "--model-name", "--max-idle-sessions"):
         assert flag in run.stdout
 
 
 def run_api(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "corolla.cli.main", "api", "some/model", "--initial-peers",
-                           "/ip4/127.0.0.1/tcp/1/p2p/X", *args], capture_output=True, text=True, timeout=120)
+    return run_corolla("api", "some/model", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/X", *args)
 
 
 def test_api_without_keys_refuses_to_listen_beyond_loopback_unless_told_to():
@@ -57,8 +54,7 @@ def test_api_keys_file_errors_are_clear_and_come_before_any_network(tmp_path):
 
 
 def test_api_help_lists_the_multi_user_flags():
-    run = subprocess.run([sys.executable, "-m", "corolla.cli.main", "api", "--help"], capture_output=True, text=True,
-                         timeout=120)
+    run = run_corolla("api", "--help")
     for flag in ("--api-keys", "--insecure-no-auth", "--allowed-hosts", "--max-body-bytes", "--max-streams-per-key",
                  "--public-metrics"):
         assert flag in run.stdout

@@ -8,6 +8,7 @@ import os
 import stat
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -126,16 +127,19 @@ def test_private_swarm_keeps_strangers_out_and_members_see_no_difference(tiny_ll
         assert member.ready["ready"], member.ready
         assert member.generate(reference.ids, reference.new_tokens) == reference.tokens
 
-        # without the key, or with another one, the DHT answers nothing: joining it fails
-        for label, swarm_key in (("no-key", None), ("other-key", str(other_key))):
-            stranger = Agent(net, "stranger", tiny_llama_path, maddrs, swarm_key=swarm_key, label=label, log=net_log)
-            assert not stranger.ready["ready"], stranger.ready
-            assert "bootstrap failed" in stranger.ready["error"], stranger.ready
-
-        # a stranger who knows a server's address can connect, but the server reads nothing it sends
+        # without the key, or with another one, the DHT answers nothing: joining it fails; and a stranger who knows
+        # a server's address can connect, but the server reads nothing it sends (the three strangers at once)
         server_maddr = servers["a"].wait_for(r"serving blocks .* at (\S+)", 10).group(1)
-        done = net.run("stranger", [sys.executable, str(Path(__file__).with_name("stranger.py")), server_maddr],
-                       timeout=180)
+        with ThreadPoolExecutor(3) as pool:
+            joins = [pool.submit(Agent, net, "stranger", tiny_llama_path, maddrs, swarm_key=swarm_key, label=label,
+                                 log=net_log) for label, swarm_key in (("no-key", None), ("other-key", str(other_key)))]
+            dial = pool.submit(net.run, "stranger", [sys.executable, str(Path(__file__).with_name("stranger.py")),
+                                                     server_maddr], timeout=180)
+            for join in joins:
+                stranger = join.result()
+                assert not stranger.ready["ready"], stranger.ready
+                assert "bootstrap failed" in stranger.ready["error"], stranger.ready
+            done = dial.result()
         assert done.returncode == 0, done.stderr
         outcome = json.loads(done.stdout.strip().splitlines()[-1])
         assert outcome["dialed"], outcome

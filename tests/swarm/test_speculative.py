@@ -69,13 +69,13 @@ def test_long_greedy_generations_equal_plain_greedy_in_fewer_round_trips(demo, m
     prompts = [TEXT, "The server", "Human: What is a file system?\nAssistant:"]
     for text in prompts:
         ids = ids_of(demo, text)
-        with model.inference_session(max_length=ids.shape[1] + 200) as session:
-            plain = model.generate(ids, max_new_tokens=200, session=session)
+        with model.inference_session(max_length=ids.shape[1] + 128) as session:
+            plain = model.generate(ids, max_new_tokens=128, session=session)
             plain_steps = session.steps
-        assert torch.equal(plain, demo["reference"].generate(ids, max_new_tokens=200, do_sample=False))
+        assert torch.equal(plain, demo["reference"].generate(ids, max_new_tokens=128, do_sample=False))
         for name, kwargs in speculations(demo).items():
-            with model.inference_session(max_length=ids.shape[1] + 200) as session:
-                out = model.generate(ids, max_new_tokens=200, session=session, **kwargs)
+            with model.inference_session(max_length=ids.shape[1] + 128) as session:
+                out = model.generate(ids, max_new_tokens=128, session=session, **kwargs)
                 assert torch.equal(out, plain), f"{name} on {text!r} differs from plain greedy"
                 assert session.steps < plain_steps, f"{name} took {session.steps} round trips, plain {plain_steps}"
                 assert session.position == out.shape[1] - 1  # as after plain decoding: all but the last token sent

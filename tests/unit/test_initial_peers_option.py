@@ -3,11 +3,9 @@ positional arguments after it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from conftest import run_corolla
 from corolla.cli.main import build_parser
 
 A = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWA"
@@ -53,19 +51,16 @@ def test_commands_built_from_config_dataclasses_get_a_tuple_of_peers():
 
 def test_a_second_value_after_one_use_is_not_a_peer():
     # the old nargs="+" took both; now the second is an extra argument, refused by name
-    run = subprocess.run([sys.executable, "-m", "corolla.cli.main", "serve", "m", "--initial-peers", A, B],
-                         capture_output=True, text=True, timeout=120)
+    run = run_corolla("serve", "m", "--initial-peers", A, B)
     assert run.returncode == 2 and "unrecognized arguments: " + B in run.stderr
 
 
 def test_an_empty_value_is_a_clear_error():
-    run = subprocess.run([sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", ","],
-                         capture_output=True, text=True, timeout=120)
+    run = run_corolla("status", "--initial-peers", ",")
     assert run.returncode == 2 and "--initial-peers needs a multiaddr" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_help_says_how_to_give_several_peers():
-    run = subprocess.run([sys.executable, "-m", "corolla.cli.main", "generate", "--help"], capture_output=True,
-                         text=True, timeout=120)
+    run = run_corolla("generate", "--help")
     assert run.returncode == 0 and "--initial-peers ADDR[,ADDR...]" in run.stdout
     assert "comma-separated" in run.stdout

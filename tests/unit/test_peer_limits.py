@@ -329,7 +329,7 @@ def test_a_probe_larger_than_the_servers_limit_is_refused(stack):
 
 def test_probes_over_all_peers_are_capped(stack):
     async def scenario(handler, open_stream):
-        silent = [open_stream("probe", f"peer-{i}") for i in range(2)]  # each holds a probe until its frame comes
+        _silent = [open_stream("probe", f"peer-{i}") for i in range(2)]  # each holds a probe until its frame comes
         await settle()
         third = open_stream("probe", "peer-2")
         return (await third.receive())[0], sorted(handler.peer_limits.probes)

@@ -1,6 +1,6 @@
 """rpc_push in process (the handler over in-memory streams, as test_handler.py drives it): a push frame from a peer
-no session names is refused before it is read, a refused push ends its stream, and a pushed step the session cannot
-take goes to the owner as PushRefused with the pusher's receipt, leaving the session as it was."""
+no session names is refused before it is read, a stream of pushes nobody accepts is ended, and a pushed step the
+session cannot take goes to the owner as PushRefused with the pusher's receipt, leaving the session as it was."""
 
 from __future__ import annotations
 
@@ -36,10 +36,11 @@ def serve(stack, scenario):
                                 describe=lambda: None)
 
     async def run():
-        tasks = []
+        tasks, readers = [], []
 
         def talk(verb: str, key: PeerKey):
             reader, writer = asyncio.StreamReader(), MemoryWriter()
+            readers.append(reader)
             handler_fn = _stream_adapter(handler._handlers()[verb], verb, handler.metrics)
             tasks.append(asyncio.ensure_future(handler_fn(peer(key), reader, writer)))
 
@@ -51,6 +52,8 @@ def serve(stack, scenario):
         try:
             return await scenario(handler, talk)
         finally:
+            for reader in readers:  # every peer hangs up: its streams end now, not after the session timeout
+                reader.feed_eof()
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
 
     try:
