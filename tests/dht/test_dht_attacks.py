@@ -114,10 +114,10 @@ def test_a_replayed_older_record_neither_replaces_nor_expires_the_newer_one():
         victim = await create_swarm_node(await boot.maddrs())
         try:
             peers = await boot.maddrs()
-            assert await announce_blocks(victim.dht, "replayed", victim.peer_id, record(), 8)  # the one to replay
+            assert await announce_blocks(victim.dht, "replayed", victim.peer_id, record(), 6)  # the one to replay
 
             async def announce_newer():
-                await asyncio.sleep(2)
+                await asyncio.sleep(1.5)
                 assert await announce_blocks(victim.dht, "replayed", victim.peer_id, record(), 120)
 
             newer = asyncio.create_task(announce_newer())

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import pytest
 import torch
 
 from api.api_harness import ApiProcess
-from conftest import SERVER_ARGS, TestSwarm
+from conftest import SERVER_ARGS, TestSwarm, run_corolla
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.demo_cmd import demo_model_path
 from monitor_helpers import running_monitor, wait_for
@@ -108,8 +106,7 @@ def test_the_page_shows_coverage_live_and_streams_a_chat_reply(browser, tmp_path
             assert seen_after < ANNOUNCE_PERIOD, f"took {seen_after:.1f}s"
             screenshot(browser, "monitor_missing.png")
 
-        status = subprocess.run([sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", *peers, "--json"],
-                                capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        status = run_corolla("status", "--initial-peers", *peers, "--json")
         assert status.returncode == 0, status.stderr
         [model] = json.loads(status.stdout)["models"]
         assert model["missing_ranges"] == ["2:4"]

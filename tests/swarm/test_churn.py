@@ -110,7 +110,7 @@ async def churn_session(fz: Fuzzer, rng: random.Random, target: Target) -> None:
             fz.dropped(case)
 
 
-@pytest.mark.parametrize("sessions", [30, pytest.param(SESSIONS, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sessions", [50, pytest.param(SESSIONS, marks=pytest.mark.slow)])
 def test_a_thousand_sessions_abandoned_in_every_way_leave_nothing_behind(churn_swarm, sessions):
     swarm, node, log_path, at_rest = churn_swarm
     clients = HonestClients(swarm.model_path, swarm.peers)

@@ -140,7 +140,7 @@ def test_eight_concurrent_sessions_on_one_server_each_equal_their_solo_run(swarm
 def test_full_server_refuses_a_second_session_clearly_and_serves_it_once_freed(swarm, reference):
     peer = swarm.peer_ids["full"]
     first, second = make_prompt(0), make_prompt(3)
-    with client(swarm, "full") as holder, client(swarm, "full", alloc_timeout=1.0) as other:
+    with client(swarm, "full") as holder, client(swarm, "full", alloc_timeout=1.0, max_retries=2) as other:
         with holder.transformer.inference_session(max_length=64) as held:
             holder.generate(first, max_new_tokens=5, session=held)
             assert server_info(holder, peer).info.cache_tokens_free == 0

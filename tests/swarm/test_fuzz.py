@@ -49,7 +49,7 @@ def targets(swarm) -> list[Target]:
     return [Target("a", swarm.peer_ids["a"], 0, 2), Target("b", swarm.peer_ids["b"], 2, 4)]
 
 
-@pytest.mark.parametrize("case_count", [60, pytest.param(CASE_COUNT, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case_count", [100, pytest.param(CASE_COUNT, marks=pytest.mark.slow)])
 def test_servers_survive_thousands_of_hostile_frames_while_honest_clients_generate(hostile, case_count):
     swarm, node, log_path, at_rest = hostile
     clients = HonestClients(swarm.model_path, swarm.peers)

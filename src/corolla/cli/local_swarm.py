@@ -134,14 +134,20 @@ class LocalSwarm:
                 raise RuntimeError(f"{proc.name} did not become ready in {timeout:.0f}s:\n{proc.tail()}")
 
     def kill(self, proc: LocalProcess, sig: int = signal.SIGKILL) -> None:
-        """Send `sig` to the process's whole group (SIGKILL: an abrupt failure, p2pd included)."""
-        proc.signal_group(sig)
+        """Send `sig` to the process's whole group (SIGKILL: an abrupt failure, p2pd included), except SIGTERM, which
+        goes to the leader alone, as Ctrl+C would: it announces itself offline and shuts its own p2pd down (a p2pd
+        signalled at the same time would die under it, leaving its goodbye to time out)."""
+        if sig == signal.SIGTERM:
+            proc.popen.send_signal(sig)
+        else:
+            proc.signal_group(sig)
         if sig in (signal.SIGKILL, signal.SIGTERM):
             try:
                 proc.popen.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                proc.signal_group(signal.SIGKILL)
-                proc.popen.wait(timeout=10)
+                pass
+            proc.signal_group(signal.SIGKILL)  # what is left of the group (none after a clean exit)
+            proc.popen.wait(timeout=10)
 
     def close(self, grace: float = 10.0) -> None:
         """End every process this swarm started: SIGTERM to each leader (which shuts its own p2pd down, as on
