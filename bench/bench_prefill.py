@@ -5,9 +5,10 @@ every host's link capped at `--rate-mbit` (home uplinks); a random Llama with hi
 split over the servers; a `--prompt-tokens` prompt. Per mode, the median over `--repeats` fresh sessions of the time
 to first token (opening the session, the prefill, the client's head):
 
-- `oneshot-none`: the whole prompt in one push step, exact activations (corolla before pipelined prefill);
+- `oneshot-none`: the whole prompt in one push step, exact activations, every position's output back to the client
+  (corolla before pipelined prefill);
 - `pipelined-<codec>`: the prompt in chunks (ClientConfig.prefill_chunk_tokens, auto by default) with hidden states in
-  that codec on every hop.
+  that codec on every hop, and only the last position's output back to the client, as `generate` asks.
 
 It also reports each mode's speed-up over `oneshot-none`, and how far its last hidden state is from the exact one
 (relative L2) and whether its greedy first token is the same.
@@ -107,7 +108,9 @@ def main() -> int:
                 )
                 if not client.ready["ready"]:
                     raise RuntimeError(f"client did not start: {client.ready}")
-                reply = client.request("timed_prefill", ids=ids.tolist(), repeats=args.repeats, timeout=3600)
+                answer_last = None if mode.startswith("oneshot") else 1
+                reply = client.request("timed_prefill", ids=ids.tolist(), repeats=args.repeats, last=answer_last,
+                                       timeout=3600)
                 client.proc.stop()
                 if not reply["ok"]:
                     raise RuntimeError(f"{mode} failed: {reply['error']}\n{reply.get('trace', '')}")

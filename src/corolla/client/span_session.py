@@ -141,7 +141,10 @@ class SpanSession:
     async def set_push(self, source: PushSource | None, target: PushTarget | None, timeout: float) -> None:
         """Make the server accept pushes from `source` only and push to `target` from now on."""
         await self.connection.send(SetPush(source=source, target=target))
-        reply, _ = await self.connection.receive(timeout)
+        while True:  # answers to steps sent before it (chunks of an abandoned pipelined step) come first: skipped
+            reply, _ = await self.connection.receive(timeout)
+            if not isinstance(reply, (StepResult, PushRefused)):
+                break
         if not isinstance(reply, PushSet):
             raise PeerUnavailable(f"server {self.span.peer_id} answered set_push with {reply.kind}")
         self.source, self.target = source, target
@@ -213,6 +216,8 @@ class SpanSession:
         while True:
             reply, tensors = await self.connection.receive(timeout)
             if isinstance(reply, (StepResult, PushRefused)) and reply.step_id < expected:
+                continue
+            if isinstance(reply, PushSet):  # the late reply to a set_push that gave up waiting
                 continue
             break
         peer = self.span.peer_id

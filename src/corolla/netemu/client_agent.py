@@ -98,7 +98,7 @@ def handle(command: dict, model, manager, run_sync, torch) -> dict:
     if op == "timed_decode":
         return timed_decode(model, torch.tensor(command["ids"]), command["new_tokens"], command["repeats"], torch)
     if op == "timed_prefill":
-        return timed_prefill(model, torch.tensor(command["ids"]), command["repeats"], torch)
+        return timed_prefill(model, torch.tensor(command["ids"]), command["repeats"], torch, command.get("last"))
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -136,15 +136,16 @@ def timed_decode(model, ids, new_tokens: int, repeats: int, torch) -> dict:
     }
 
 
-def timed_prefill(model, ids, repeats: int, torch) -> dict:
+def timed_prefill(model, ids, repeats: int, torch, last: int | None = None) -> dict:
     """Time to first token of a fresh session per repeat (opening it, the prefill of `ids`, the client's head), and
-    the last position's final hidden state and greedy token of the last repeat (to compare codecs and chunkings)."""
+    the last position's final hidden state and greedy token of the last repeat (to compare codecs and chunkings).
+    `last`: the route's last server returns only the last `last` positions (as generate asks), else all of them."""
     ttft = []
     with torch.no_grad():
         for _ in range(repeats):
             begin = time.perf_counter()
             with model.inference_session(max_length=ids.shape[1] + 1) as session:
-                hidden = session.step(model.head.embed(ids))[:, -1:]  # (B, 1, H)
+                hidden = session.step(model.head.embed(ids), last=last)[:, -1:]  # (B, 1, H)
                 token = model.head.logits(hidden).argmax(-1)
                 ttft.append(time.perf_counter() - begin)
                 pushed = session.pushed_steps
