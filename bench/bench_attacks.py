@@ -395,7 +395,7 @@ class ArmAt:
         pass
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated groups of: {', '.join(GROUPS)}")
     args = parser.parse_args()
@@ -427,7 +427,8 @@ def main() -> None:
             }
         )
     )
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
