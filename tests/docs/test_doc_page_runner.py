@@ -40,12 +40,14 @@ def test_python_snippets_share_a_namespace_with_the_given_names_and_fail_with_th
             run.run(snippets[1])
 
 
+@pytest.mark.slow  # the runner's processes: it serves the docs' snippets, which run in the slow tier too
 def test_a_background_command_that_exits_before_it_is_ready_fails_the_page(tmp_path):
     snippets = page(tmp_path, "<!-- snippet: background -->\n```bash\ncorolla serve /no/such/model --new-swarm\n```\n")
     with runner(tmp_path) as run, pytest.raises(SnippetFailed, match=r"`corolla serve /no/such/model --new-swarm` exited"):
         run.run(snippets[0])
 
 
+@pytest.mark.slow  # a real `corolla dht` in the background: as above
 def test_a_background_dht_sets_its_variable_and_is_stopped_when_the_page_ends(tmp_path):
     snippets = page(tmp_path, "<!-- snippet: background, sets MINE -->\n```bash\ncorolla dht\n```\n\n"
                               "```bash\necho \"$MINE\" > mine.txt\n```\n\n```python\nassert MINE[0].startswith('/ip4/')\n```\n")

@@ -37,7 +37,7 @@ def online_peers(agent: Agent, block: int) -> set[str] | None:
     return {peer for peer, info in reply["blocks"][block].items() if info["state"] == "online"}
 
 
-@pytest.mark.slow  # a long WAN scenario; the default run keeps the private swarm's below
+@pytest.mark.slow  # a long WAN scenario
 def test_four_hosts_generate_like_hf_and_survive_a_dht_restart(tiny_llama_path, reference, tmp_path: Path, net_log):
     identity = tmp_path / "dht.key"
     with EmulatedNetwork(list(DELAYS), delays=DELAYS) as net:
@@ -77,7 +77,7 @@ def test_four_hosts_generate_like_hf_and_survive_a_dht_restart(tiny_llama_path, 
         assert newcomer.generate(reference.ids, reference.new_tokens) == reference.tokens
 
 
-@pytest.mark.slow  # a long WAN scenario; the default run keeps the private swarm's below
+@pytest.mark.slow  # a long WAN scenario
 def test_server_cut_off_past_its_record_expiration_comes_back_by_itself(tiny_llama_path, reference, net_log):
     announce = ["--announce-period", "4", "--expiration", "8", "--rejoin-period", "1"]
     with EmulatedNetwork(list(DELAYS), delays=DELAYS) as net:
@@ -110,6 +110,7 @@ def test_server_cut_off_past_its_record_expiration_comes_back_by_itself(tiny_lla
         assert client.generate(reference.ids, reference.new_tokens) == reference.tokens
 
 
+@pytest.mark.slow  # a WAN scenario of 25 s; the default run keeps the in-process membership and DHT attack tests
 def test_private_swarm_keeps_strangers_out_and_members_see_no_difference(tiny_llama_path, reference, tmp_path, net_log):
     key, other_key = tmp_path / "swarm.key", tmp_path / "other.key"
     with EmulatedNetwork([*DELAYS, "stranger"], delays={**DELAYS, "stranger": 0.01}) as net:
@@ -151,7 +152,7 @@ def test_private_swarm_keeps_strangers_out_and_members_see_no_difference(tiny_ll
         assert member.generate(reference.ids, reference.new_tokens) == reference.tokens
 
 
-@pytest.mark.slow  # a long WAN scenario; the default run keeps the private swarm's below
+@pytest.mark.slow  # a long WAN scenario
 def test_server_reachable_only_through_a_relay_serves_a_session(tiny_llama_path, reference, net_log):
     """Server n and the client accept no inbound connections (both behind NATs): the client reaches n only
     through a relay. The bundled p2pd reserves a relayed address at once only when it knows 4 relays."""

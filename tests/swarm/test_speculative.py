@@ -66,7 +66,7 @@ class Recorder:
 
 
 def test_long_greedy_generations_equal_plain_greedy_in_fewer_round_trips(demo, model):
-    prompts = [TEXT, "The server", "Human: What is a file system?\nAssistant:"]
+    prompts = [TEXT, "Human: What is a file system?\nAssistant:"]
     for text in prompts:
         ids = ids_of(demo, text)
         with model.inference_session(max_length=ids.shape[1] + 128) as session:
