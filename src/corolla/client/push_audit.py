@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from corolla.protocol.errors import PeerUnavailable
 from corolla.protocol.messages import PushReceipt
 from corolla.protocol.receipts import receipt_signed
 
@@ -36,6 +37,15 @@ class Blame:
 
     who: Literal["pusher", "receiver"]
     reason: str
+
+
+class BadAnswer(PeerUnavailable):
+    """A server's answer was malformed or dishonest; `blame` says whose fault: the answering server's ("receiver"),
+    or, for a pushed step, the pusher's, proven by its own signed receipt ("pusher")."""
+
+    def __init__(self, peer_id: str, blame: Blame):
+        super().__init__(f"server {peer_id}: {blame.reason}")
+        self.blame = blame
 
 
 def answer_problem(output: torch.Tensor, step_input: torch.Tensor, answer: int | None = None) -> str | None:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from corolla.client.config import ClientConfig
+from corolla.client.push_audit import BadAnswer
 from corolla.client.routing import (Span, find_route, measured_speed, sample_route, uncovered_blocks, usable_servers,
                                     with_codec)
 from corolla.dht import SwarmNode, fetch_block_servers
@@ -154,14 +155,15 @@ class SequenceManager:
         banned = {p for p, ban in self._bans.items() if ban.until > now and (ban.unreachable or not unreachable_only)}
         return banned | self.distrusted  # spot checks: a liar is skipped even as a block's only server
 
-    def ban(self, peer_id: str, unreachable: bool = False) -> None:
-        """Avoid `peer_id` for a while: min_backoff after its first failure, doubling with each further one.
+    def ban(self, peer_id: str, unreachable: bool = False, at_least: float = 0.0) -> None:
+        """Avoid `peer_id` for a while: min_backoff after its first failure, doubling with each further one, and at
+        least `at_least` seconds.
 
         `unreachable=True` (the peer could not be dialed) makes routes skip it even when it is a block's only server.
         """
         ban = self._bans.get(peer_id)
         failures = ban.failures + 1 if ban else 1
-        duration = min(self.config.max_backoff, self.config.min_backoff * 2 ** (failures - 1))
+        duration = max(at_least, min(self.config.max_backoff, self.config.min_backoff * 2 ** (failures - 1)))
         if unreachable:
             duration = max(duration, self.config.unreachable_ban)
         self._bans[peer_id] = _Ban(until=time.monotonic() + duration, failures=failures, unreachable=unreachable)
@@ -209,7 +211,9 @@ class SequenceManager:
         logger.warning(
             "server %s failed on blocks %d:%d (%s); routing around it", span.peer_id, span.start, span.end, error
         )
-        self.ban(span.peer_id, unreachable=unreachable)
+        # a malformed answer (NaN, wrong shape, absurd values) is the server's own doing, not a passing fault
+        self.ban(span.peer_id, unreachable=unreachable,
+                 at_least=self.config.max_backoff if isinstance(error, BadAnswer) else 0.0)
         if isinstance(error, RemoteError) and error.code == ErrorCode.NOT_SERVED.value:
             self.invalidate()  # that server moved: our view of the swarm is stale
         return failures

@@ -17,7 +17,7 @@ import torch
 
 from corolla.client.config import ClientConfig
 from corolla.client.connection import Connection
-from corolla.client.push_audit import Blame, answer_problem, judge_receipt
+from corolla.client.push_audit import BadAnswer, Blame, answer_problem, judge_receipt
 from corolla.client.push_route import RouteHop
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
@@ -34,15 +34,6 @@ class PushFailed(Exception):
     def __init__(self, message: str, output: torch.Tensor):
         super().__init__(message)
         self.output = output
-
-
-class BadAnswer(PeerUnavailable):
-    """A server's answer was malformed or dishonest; `blame` says whose fault: the answering server's ("receiver"),
-    or, for a pushed step, the pusher's, proven by its own signed receipt ("pusher")."""
-
-    def __init__(self, peer_id: str, blame: Blame):
-        super().__init__(f"server {peer_id}: {blame.reason}")
-        self.blame = blame
 
 
 @dataclass(frozen=True)
