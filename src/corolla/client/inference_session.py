@@ -445,9 +445,15 @@ class InferenceSession:
         forgiveness, and maybe a spot check of each (client.spot_checks)."""
         for i, span in enumerate(spans):
             span.record(inputs[i], position, hypo_ids)
-            self.manager.forgive(span.span.peer_id)
-            if self.checks is not None and mask is None and hypo_ids is None:
-                self.checks.after_step(span, position, inputs[i + 1], span.prompts, end)
+            self._answered(span, position, inputs[i + 1], end, mask, hypo_ids)
+
+    def _answered(self, span: SpanSession, position: int, output: torch.Tensor, end: int,
+                  mask: torch.Tensor | None, hypo_ids: list[int] | None) -> None:
+        """`span` answered a step ending at `end` well: forgive its past failures, and maybe spot-check the answer
+        (client.spot_checks; not for padded or reordered steps)."""
+        self.manager.forgive(span.span.peer_id)
+        if self.checks is not None and mask is None and hypo_ids is None:
+            self.checks.after_step(span, position, output, span.prompts, end)
 
     async def _relay_unpushed(
         self,
@@ -476,9 +482,7 @@ class InferenceSession:
             pusher.span.peer_id,
         )
         self.manager.ban(pusher.span.peer_id)
-        self.manager.forgive(span.span.peer_id)
-        if self.checks is not None and mask is None and hypo_ids is None:
-            self.checks.after_step(span, position, out, span.prompts, position + x.shape[1])
+        self._answered(span, position, out, position + x.shape[1], mask, hypo_ids)
         return await self._relay(out, position, mask, hypo_ids, index + 1, last=last)
 
     async def _convict_pusher(
@@ -560,9 +564,7 @@ class InferenceSession:
                 spans[index : index + 1] = await self._open_chain(span.span.start, span.span.end, history)
                 self._renew_link_into(index)
                 continue
-            self.manager.forgive(span.span.peer_id)
-            if self.checks is not None and mask is None and hypo_ids is None:  # spot checks: maybe check this answer
-                self.checks.after_step(span, position, x_out, span.prompts, position + x.shape[1])
+            self._answered(span, position, x_out, position + x.shape[1], mask, hypo_ids)
             x = x_out
             index += 1
         return x
