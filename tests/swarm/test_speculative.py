@@ -223,13 +223,20 @@ def test_every_family_decodes_speculatively_exactly_as_hf_greedy(family):
     prompt = torch.cat([prompt, prompt[:, :6]], dim=1)  # a repeat for prompt lookup to find
     expected = reference.generate(prompt, max_new_tokens=60, do_sample=False, eos_token_id=None)
     itself = dict(assistant_model=reference, num_assistant_tokens=5, assistant_confidence_threshold=0.0)  # HF's 0.4
-    for kwargs in (itself, dict(prompt_lookup_num_tokens=4)):  # would end drafts early: random weights are unsure
+    runs = (  # HF's confidence threshold 0.4 would end drafts early: random weights are unsure
+        dict(itself, passes_in_flight=1),
+        dict(itself, passes_in_flight=3),  # pipelined: every pass kept, none cancelled
+        dict(prompt_lookup_num_tokens=4),  # "auto": mostly rejected, the most cancellations
+    )
+    for kwargs in runs:
         with model.inference_session(max_length=prompt.shape[1] + 60) as session:
             out = model.generate(prompt, max_new_tokens=60, eos_token_id=None, session=session, **kwargs)
-            steps = session.steps
         assert torch.equal(out, expected), f"{sorted(kwargs)} differs from HF greedy"
-        if "assistant_model" in kwargs:
-            assert steps == 10  # the model drafting for itself: 6 tokens per round trip, 60 = 10 * 6
+        assert session.position == out.shape[1] - 1
+        if kwargs.get("passes_in_flight") == 1:
+            assert session.steps == 10  # the model drafting for itself: 6 tokens per round trip, 60 = 10 * 6
+        elif "assistant_model" in kwargs:
+            assert session.cancelled_steps == 0
 
 
 # ---------------------------------------------------------------------- failover
@@ -264,7 +271,7 @@ def test_killing_a_server_mid_speculation_with_a_replica_keeps_the_greedy_output
             killer = KillAfter(11, lambda: local.kill(swarm.procs["tail"], signal.SIGKILL))  # the prompt, 10 tokens
             with model.inference_session(max_length=64) as session:
                 out = model.generate(prompt, max_new_tokens=40, session=session, streamer=killer, **kwargs)
-                steps = session.steps
+                steps = session.steps - session.cancelled_steps  # passes whose answers were used
         finally:
             model.shutdown()
     assert torch.equal(out, expected)

@@ -36,7 +36,9 @@ from corolla.client.generation_settings import Speculation, as_list, check_modes
 from corolla.client.inference_session import InferenceSession
 from corolla.client.prompt_lookup import PromptLookupDrafter
 from corolla.client.session_state import UNKNOWN
+from corolla.client.session_verifier import SessionVerifier
 from corolla.client.speculative import Drafter, speculative_decode
+from corolla.client.speculative_pipeline import PipeDepth, pipelined_decode
 from corolla.client.spot_checks import generation_rewinder
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ def generate(
     logits_processor: list[LogitsProcessor] | None = None,
     stopping_criteria: list[StoppingCriteria] | None = None,
     assistant_model: torch.nn.Module | None = None,
+    passes_in_flight: int | str = "auto",
     **kwargs: Any,
 ) -> torch.LongTensor:
     """Generate token ids like `transformers` `generate`: greedy, sampling or beam search.
@@ -99,10 +102,14 @@ def generate(
     `logits_processor` / `stopping_criteria` lists merged into HF's own as HF merges them; speculative decoding with
     prompt_lookup_num_tokens (and max_matching_ngram_size) or an `assistant_model` (a local HF causal LM with the
     same vocabulary; num_assistant_tokens, num_assistant_tokens_schedule, assistant_confidence_threshold).
+    `passes_in_flight` (speculative decoding only): how many verify passes may be in flight through the servers at
+    once (client.speculative_pipeline): 1 is sequential speculation, "auto" chooses by the chain's measured latency
+    and the acceptance so far; the session's `steps` counts passes, `cancelled_steps` the ones cancelled.
     Returns (rows, m + new) token ids: this call's input ids, then the generated tokens (rows that finished early
     are padded with pad_token_id); with inputs_embeds alone, only the generated tokens. Raises ValueError for a
     session too short for the request (before anything is sent) or bad shapes, TypeError for unsupported arguments.
     """
+    depth = PipeDepth(passes_in_flight)  # checks the setting before anything is sent
     config, default_max_length = merge_config(model.generation_config, generation_config, kwargs)
     check_modes(config, streamer, tokenizer)
     speculation = settings.speculation(
@@ -180,13 +187,14 @@ def generate(
             session.append_tokens(result.running[:, -1:])  # the last token, not sent yet
             return _with_call_ids(call.returned, result.sequences[:, prompt_len:])
         if speculation is not None:
-            verifier = _SessionVerifier(model, session, call, reading.call_start, prompt_len)
+            verifier = SessionVerifier(
+                session,
+                lambda ids: _embed_pending(model, session, ids, call, reading.call_start),
+                model.lm_logits,
+                prompt_len,
+            )
             drafter = _drafter(speculation, assistant_model, processors, eos, config, model.config)
-            sequence = speculative_decode(
-                verifier,
-                drafter,
-                sequence,
-                mask,
+            decode = dict(
                 do_sample=bool(config.do_sample),
                 processors=processors,
                 criteria=criteria,
@@ -195,6 +203,10 @@ def generate(
                 has_eos=bool(eos),
                 streamer=streamer,
             )
+            if depth.setting == 1:
+                sequence = speculative_decode(verifier, drafter, sequence, mask, **decode)
+            else:
+                sequence = pipelined_decode(verifier, drafter, sequence, mask, depth=depth, **decode)
             verifier.finish(sequence)
             if (
                 isinstance(drafter, AssistantDrafter)
@@ -285,51 +297,6 @@ def _session_logits(
         return model.lm_logits(hidden[:, -1:])[:, -1].float()  # (rows, vocab)
 
     return logits_fn
-
-
-class _SessionVerifier:
-    """Runs drafts through the session (speculative.Verifier): one step sends the tokens the servers lack (the last
-    accepted one, or the whole prompt at first) and the draft; `settle` rolls the session back over the draft tokens
-    the sequence did not keep, so the next step overwrites them on the servers.
-
-    Between steps the session holds every token of the sequence, all but the last sent (as after plain decoding)."""
-
-    def __init__(
-        self, model: GenerationModel, session: InferenceSession, call: _Call, call_start: int, prompt_len: int
-    ):
-        self.model, self.session, self.call, self.call_start = model, session, call, call_start
-        self.seen = prompt_len  # columns of the sequence the session holds (sent, or pending)
-        self.draft = torch.empty(session.batch_size, 0, dtype=torch.long)  # the last step's draft, all sent
-
-    def verify(self, sequence: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
-        """Target logits (rows, k + 1, vocab) float32 after sequence (rows, s) + draft[:, :i] for i = 0..k."""
-        self.session.append_tokens(sequence[:, self.seen :])
-        self.seen = sequence.shape[1]
-        if draft.shape[1]:
-            self.session.append_tokens(draft)
-        self.draft = draft
-        ids, mask = self.session.pending_tokens()
-        hidden = self.session.feed(
-            _embed_pending(self.model, self.session, ids, self.call, self.call_start), mask, last=draft.shape[1] + 1
-        )  # (rows, k + 1, H)
-        return self.model.lm_logits(hidden[:, -(draft.shape[1] + 1) :]).float()  # (rows, k + 1, vocab)
-
-    def settle(self, sequence: torch.Tensor) -> None:
-        """Keep the sent draft tokens that `sequence` holds next (all but its last token), forget the others."""
-        new = sequence[:, self.seen :]  # (rows, m): the tokens appended since the step
-        k = self.draft.shape[1]
-        width = min(k, new.shape[1] - 1)  # the last token stays unsent, as after plain decoding
-        same = (new[:, :width] == self.draft[:, :width]).all(dim=0)  # (width,)
-        kept = int(torch.cumprod(same.to(torch.long), dim=0).sum()) if width > 0 else 0
-        if k > kept:
-            self.session.rollback(self.session.position - (k - kept))
-        self.seen += kept
-        self.draft = self.draft[:, :0]
-
-    def finish(self, sequence: torch.Tensor) -> None:
-        """After the last step: the session holds the sequence, its last token pending (as after plain decoding)."""
-        self.session.append_tokens(sequence[:, self.seen :])
-        self.seen = sequence.shape[1]
 
 
 def _drafter(

@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 import torch
 
 from corolla.client.event_loop import run_sync
+from corolla.client.pass_pipe import Pass, PassPipe, PipeFailed
 from corolla.client.pipelined_prefill import ChunkFailed, chunk_tokens, pipelined_push
 from corolla.client.push_route import RouteHop, can_push, links_to_fix, wanted_links
 from corolla.client.routing import Span
@@ -102,6 +105,11 @@ class InferenceSession:
         self.pushed_steps = 0  # steps that went server to server all the way (push mode, no hop failed)
         self._next_id = itertools.count(1).__next__  # step ids, shared by every span (a pushed step keeps its id)
         self.exchanges = 0  # requests sent to a server and waited for (see the class docstring)
+        self.cancelled_steps = 0  # steps sent by `submit` and cancelled before their answer was used
+        self.cancelled_positions = 0  # their positions: what every server of the route computed for nothing
+        self._pipe: PassPipe | None = None  # steps in flight (submit), None when none are
+        self._repairing: asyncio.Future | None = None  # a failed pipe's steps being redone
+        self._step_times: deque[float] = deque(maxlen=16)  # seconds from sending a step to its answer, recent ones
 
     # ------------------------------------------------------------------ what the session holds
     @property
@@ -213,6 +221,17 @@ class InferenceSession:
         self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
     ) -> torch.Tensor:
         """`step`, awaited on the client's event loop (one loop can drive many sessions)."""
+        self._check_step(hidden, attention_mask, last)
+        mask = self._state.step_mask(hidden.shape[1], attention_mask)
+        begin = time.perf_counter()
+        output = await self._step(hidden, mask, self._state.hypo_ids, last)
+        self._step_times.append(time.perf_counter() - begin)
+        self._state.advance(hidden.shape[1], attention_mask)
+        self.steps += 1
+        return output
+
+    def _check_step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, last: int | None) -> None:
+        """Raise (see `step`) unless the session can take this step now."""
         if self.closed:
             raise SessionExpired("this inference session is closed")
         if hidden.ndim != 3 or hidden.shape[0] != self.batch_size:
@@ -230,11 +249,6 @@ class InferenceSession:
             )
         if last is not None and not 1 <= last <= hidden.shape[1]:
             raise ValueError(f"last must be within [1, {hidden.shape[1]}], got {last}")
-        mask = self._state.step_mask(hidden.shape[1], attention_mask)
-        output = await self._step(hidden, mask, self._state.hypo_ids, last)
-        self._state.advance(hidden.shape[1], attention_mask)
-        self.steps += 1
-        return output
 
     def feed(
         self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
@@ -275,6 +289,154 @@ class InferenceSession:
             )
         return torch.cat([prefix, embeddings], dim=1), mask  # (B, P + t, H)
 
+    # ------------------------------------------------------------------ steps in flight (client.pass_pipe)
+    @property
+    def can_pipeline(self) -> bool:
+        """Whether `submit` keeps steps in flight (else it runs each step before returning): the route pushes (or
+        is one server), and the session has no padded rows, no reorder to send and no deep prompts."""
+        if self.closed or self._state.hypo_ids is not None or self._state.mask is not None or self.prompts is not None:
+            return False
+        spans = self._spans
+        return spans is not None and (len(spans) == 1 or self.config.push)
+
+    @property
+    def step_latency(self) -> float | None:
+        """The median time, in seconds, from sending a step to its answer over the recent steps; None before any."""
+        return statistics.median(self._step_times) if self._step_times else None
+
+    def submit(self, hidden: torch.Tensor, last: int | None = None) -> Pass:
+        """Send hidden (batch_size, T, H) for positions [position, position + T) without waiting for its answer;
+        `wait` returns it. The session's position moves on at once, so the next `submit` continues after it (on the
+        servers it attends to this step's positions). Steps are answered in the order they were sent. Where the
+        session cannot keep steps in flight (`can_pipeline`), the step runs now. Raises as `step`."""
+        return run_sync(self.submit_async(hidden, last))
+
+    def wait(self, handle: Pass) -> torch.Tensor:
+        """The output of a submitted step, as `step` returns it (the last `last` positions when given). A server
+        failing meanwhile is routed around as for `step`; raises CancelledError for a cancelled step."""
+        return run_sync(self.wait_async(handle))
+
+    def cancel_after(self, handle: Pass | None) -> None:
+        """Cancel every step submitted after `handle` (every step in flight for None) and roll the session back to
+        the end of `handle`'s positions: their answers are dropped, the servers' caches overwritten by the next step."""
+        run_sync(self.cancel_after_async(handle))
+
+    async def submit_async(self, hidden: torch.Tensor, last: int | None = None) -> Pass:
+        """`submit`, awaited on the client's event loop."""
+        self._check_step(hidden, None, last)
+        if self._repairing is not None:
+            await asyncio.shield(self._repairing)
+        if self._spans is None or not self.can_pipeline:
+            position = self.position
+            output = await self.step_async(hidden, None, last)
+            return _done_pass(hidden, position, last, output)
+        position = self.position
+        if self._pipe is None:
+            try:
+                await self._fix_links(self._spans)
+            except (PeerUnavailable, RemoteError) as e:  # the step relays, finding and replacing who failed
+                logger.info("set_push failed: %s", e)
+                output = await self.step_async(hidden, None, last)
+                return _done_pass(hidden, position, last, output)
+            self._pipe = PassPipe(self._spans, self.config.request_timeout, self._pass_done)
+        pipe = self._pipe
+        try:
+            handle = await pipe.submit(hidden, position, last)
+        except PipeFailed:
+            await self._repair(pipe)
+            output = await self._redo(hidden, position, last)
+            handle = _done_pass(hidden, position, last, output)
+        self._state.advance(hidden.shape[1], None)
+        self.steps += 1
+        self.exchanges += 1
+        return handle
+
+    async def wait_async(self, handle: Pass) -> torch.Tensor:
+        """`wait`, awaited on the client's event loop."""
+        pipe = self._pipe
+        if not handle.result.done() and pipe is not None:
+            await asyncio.wait({handle.result, pipe.failure}, return_when=asyncio.FIRST_COMPLETED)
+            if not handle.result.done():
+                await self._repair(pipe)
+        output = await handle.result
+        if self._pipe is not None and handle.step_id:
+            self._pipe.release(handle)
+        return output
+
+    async def cancel_after_async(self, handle: Pass | None) -> None:
+        """`cancel_after`, awaited on the client's event loop."""
+        cancelled = [] if self._pipe is None else self._pipe.cancel_after(handle)
+        self.cancelled_steps += len(cancelled)
+        self.cancelled_positions += sum(p.hidden.shape[1] for p in cancelled)
+        if handle is not None and self.position > handle.end:
+            self.rollback(handle.end)
+        elif handle is None and cancelled:
+            self.rollback(min(p.position for p in cancelled))
+
+    def _pass_done(self, handle: Pass, inputs: list[torch.Tensor]) -> None:
+        """A submitted step that was not cancelled came back from the whole route: record it as `_push_step` does."""
+        self._step_times.append(time.perf_counter() - handle.sent_at)
+        if self._pipe is not None:
+            self._accept(self._pipe.spans, inputs, handle.position, None, None, handle.end)
+            self.pushed_steps += 1
+
+    async def _settle_pipe(self) -> None:
+        """Before anything else uses the spans' streams: read every answer still due to submitted steps (cancelled
+        ones included), then stop the pipe's readers; a failure meanwhile is repaired as in `wait`."""
+        pipe = self._pipe
+        if self._repairing is not None:
+            await asyncio.shield(self._repairing)
+        elif pipe is not None:
+            try:
+                await pipe.drain()
+            except PipeFailed:
+                await self._repair(pipe)
+                return
+            self._pipe = None
+            await pipe.close()
+
+    async def _repair(self, pipe: PassPipe) -> None:
+        """The pipe failed: redo its unanswered steps (once, however many callers wait)."""
+        if self._repairing is None:
+            self._repairing = asyncio.ensure_future(self._redo_pipe(pipe))
+        await asyncio.shield(self._repairing)
+
+    async def _redo_pipe(self, pipe: PassPipe) -> None:
+        """Cut every push link (steps still in flight are refused from then on), handle the span at fault as
+        `_push_step` would, and run the unanswered steps again one by one (relayed where needed, with failover)."""
+        try:
+            failed = pipe.failure.result()
+            todo = pipe.unanswered()
+            await pipe.close()
+            logger.info("steps in flight failed at span %d: %s; redoing %d", failed.index, failed.error, len(todo))
+            spans = self._spans
+            assert spans is not None
+            await asyncio.gather(
+                *(s.set_push(None, None, self.config.connect_timeout) for s in spans), return_exceptions=True
+            )
+            await self._blame(failed.index, failed.error, todo[0].position if todo else self.position)
+            for handle in todo:
+                if handle.cancelled:
+                    continue
+                output = await self._redo(handle.hidden, handle.position, handle.last)
+                if not handle.result.done():
+                    handle.result.set_result(output)
+        except BaseException as e:
+            for handle in pipe.unanswered():
+                if not handle.result.done():
+                    handle.result.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
+            raise
+        finally:
+            self._pipe = None
+            self._repairing = None
+
+    async def _redo(self, hidden: torch.Tensor, position: int, last: int | None) -> torch.Tensor:
+        """Run a submitted step again at its `position`, as `_step` runs a step."""
+        assert self._spans is not None
+        if can_push(len(self._spans), self.config.push, position, 0):
+            return await self._push_step(hidden, position, None, None, last)
+        return await self._relay(hidden, position, None, None, 0, last=last)
+
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
         """Close every server's stream (their caches are freed). Idempotent."""
@@ -284,6 +446,10 @@ class InferenceSession:
     async def close_async(self) -> None:
         """`close`, awaited on the client's event loop."""
         if not self.closed:
+            try:
+                await self._settle_pipe()
+            except Exception as e:  # closing anyway: the servers free what they hold
+                logger.info("steps in flight failed while closing: %s", e)
             self.closed = True
             spans, self._spans = self._spans, None
             if self.checks is not None:
@@ -308,6 +474,7 @@ class InferenceSession:
     async def _step(
         self, hidden: torch.Tensor, mask: torch.Tensor | None, hypo_ids: list[int] | None, last: int | None = None
     ) -> torch.Tensor:
+        await self._settle_pipe()
         if self._spans is None:
             self._spans = await self._open_chain(self.start, self.end, history=None)
         position = self.position
@@ -588,6 +755,7 @@ class InferenceSession:
         into a replacement, as failover does) and roll the session back to `position`."""
         if position > self.position:
             raise ValueError(f"cannot rewind to {position}: the session holds {self.position} positions")
+        await self._settle_pipe()
         if self._spans is not None:
             index = 0
             while index < len(self._spans):
@@ -683,3 +851,11 @@ class InferenceSession:
     @staticmethod
     async def _close_spans(spans: Sequence[SpanSession]) -> None:
         await asyncio.gather(*(s.close() for s in spans), return_exceptions=True)
+
+
+def _done_pass(hidden: torch.Tensor, position: int, last: int | None, output: torch.Tensor) -> Pass:
+    """A step `submit` ran at once (the session could not keep it in flight), as a handle already answered."""
+    loop = asyncio.get_running_loop()
+    result = loop.create_future()
+    result.set_result(output)
+    return Pass(hidden, position, last, result, [])
