@@ -93,13 +93,20 @@ def run_once(model, ids: torch.Tensor, new_tokens: int, kwargs: dict[str, Any], 
         out = model.generate(ids, max_new_tokens=new_tokens, streamer=clock, eos_token_id=None, **kwargs)
         total = time.perf_counter() - start
         steps, exchanges = session.steps, session.exchanges
+        cancelled, cancelled_positions = session.cancelled_steps, session.cancelled_positions
+        servers = len(session.route)
+        submitted_mean = session.in_flight_total / max(steps, 1)
     new = out.shape[1] - ids.shape[1]
     decode = clock.times[-1] - clock.times[0] if len(clock.times) > 1 else float("nan")
     return {
         "tokens": out[0, ids.shape[1] :].tolist(),
         "new_tokens": new,
-        "round_trips": steps,
+        "round_trips": steps,  # passes sent (pipelined: cancelled ones included)
         "tokens_per_round_trip": new / steps,
+        "cancelled_passes": cancelled,
+        "passes_in_flight_mean": submitted_mean,  # passes in flight once a pass was sent, it included
+        # positions the servers computed for cancelled passes, summed over the route's servers
+        "wasted_server_positions": cancelled_positions * servers,
         "client_requests_per_token": exchanges / new,
         "time_to_first_token_s": clock.times[0] - start,
         "total_s": total,
@@ -114,10 +121,10 @@ def _time_steps(session) -> list[float]:
     spent: list[float] = []
     step_async = session.step_async
 
-    async def timed(hidden, attention_mask=None):
+    async def timed(*args, **kwargs):
         begin = time.perf_counter()
         try:
-            return await step_async(hidden, attention_mask)
+            return await step_async(*args, **kwargs)
         finally:
             spent.append(time.perf_counter() - begin)
 
@@ -144,6 +151,7 @@ def compare(
     sampling: bool = False,
     lookup_tokens: int = LOOKUP_TOKENS,
     relay_baseline: bool = False,
+    passes_in_flight: int | str = "auto",
 ) -> dict[str, Any]:
     """Plain vs speculative decoding through the swarm at `initial_peers` (the demo model and its draft unless given).
 
@@ -158,15 +166,20 @@ def compare(
     )
     draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
     clients = {"push": model}
+    sequential = {"passes_in_flight": 1}
+    pipelined = {"passes_in_flight": passes_in_flight}
     modes: dict[str, tuple[dict[str, Any], int | None]] = {
         "plain": ({}, None),
-        "prompt_lookup": ({"prompt_lookup_num_tokens": lookup_tokens}, None),
-        "draft": ({"assistant_model": draft}, None),
+        "prompt_lookup": ({"prompt_lookup_num_tokens": lookup_tokens, **sequential}, None),
+        "prompt_lookup_pipelined": ({"prompt_lookup_num_tokens": lookup_tokens, **pipelined}, None),
+        "draft": ({"assistant_model": draft, **sequential}, None),
+        "draft_pipelined": ({"assistant_model": draft, **pipelined}, None),
     }
     if sampling:
         settings = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 0}
         modes["plain_sampling"] = (settings, 0)
-        modes["draft_sampling"] = ({"assistant_model": draft, **settings}, 0)
+        modes["draft_sampling"] = ({"assistant_model": draft, **settings, **sequential}, 0)
+        modes["draft_sampling_pipelined"] = ({"assistant_model": draft, **settings, **pipelined}, 0)
     if relay_baseline:  # a second client on the same swarm that relays every hop
         clients["relay"] = AutoDistributedModelForCausalLM.from_pretrained(
             model_path,
@@ -206,6 +219,9 @@ def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
         "decode_tokens_per_s",
         "swarm_ms_per_round_trip",
         "client_ms_per_round_trip",
+        "cancelled_passes",
+        "passes_in_flight_mean",
+        "wasted_server_positions",
     )
     out = {key: round(statistics.median(r[key] for r in results), 4) for key in keys}
     return {**out, "new_tokens": results[0]["new_tokens"], "tokens": results[0]["tokens"]}
@@ -233,6 +249,13 @@ def _summary(runs: dict[str, dict[str, Any]], modes: dict[str, Any]) -> dict[str
                 entry["ttft_vs_relay"] = round(result["time_to_first_token_s"] / relay["time_to_first_token_s"], 3)
             if modes[mode][1] is None:  # greedy: must be plain's tokens
                 entry["identical_tokens"] = result["tokens"] == plain[name]["tokens"]
+            sequential = mode.removesuffix("_pipelined")
+            if sequential != mode and sequential in runs:
+                entry["decode_speedup_vs_sequential"] = round(
+                    result["decode_tokens_per_s"] / runs[sequential][name]["decode_tokens_per_s"], 3
+                )
+                for key in ("cancelled_passes", "passes_in_flight_mean", "wasted_server_positions"):
+                    entry[key] = result[key]
             per_prompt[name] = entry
         summary[mode] = per_prompt
     return summary
@@ -261,7 +284,9 @@ def main() -> None:
         help="also plain decoding with the client relaying every hop (push=False)",
     )
     parser.add_argument("--prompts", nargs="+", choices=tuple(PROMPTS), default=None, help="a subset of the prompts")
+    parser.add_argument("--passes-in-flight", default="auto", help="the pipelined modes' passes_in_flight (auto or N)")
     args = parser.parse_args()
+    depth = args.passes_in_flight if args.passes_in_flight == "auto" else int(args.passes_in_flight)
     torch.set_num_threads(args.threads)
     model_path = args.model or str(demo_model_path())
     options = dict(
@@ -270,6 +295,7 @@ def main() -> None:
         sampling=args.sampling,
         lookup_tokens=args.lookup_tokens,
         relay_baseline=args.relay_baseline,
+        passes_in_flight=depth,
         prompts={name: PROMPTS[name] for name in args.prompts} if args.prompts else None,
     )
     report: dict[str, Any] = {

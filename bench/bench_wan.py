@@ -1,4 +1,4 @@
-"""Benchmark: a client and 2-3 servers on emulated hosts at 0, 20, 50 and 100 ms round trip.
+"""Benchmark: a client and 2-4 servers on emulated hosts at 0, 20, 50 and 100 ms round trip.
 
 Every peer runs in its own network namespace with its own 10.x address (corolla.netemu; needs root), every pair of
 hosts the same round trip apart. Per round trip:
@@ -11,15 +11,19 @@ hosts the same round trip apart. Per round trip:
   costs one round trip per server: `expected_round_trips_per_token` states that baseline;
 - whether greedy generation equals the local HF model's.
 With `--model demo` the servers hold the bundled demo model instead, and `--speculative` then also runs
-bench_speculative.py on the client's host against that swarm: plain decoding with push and with the client relaying
-every hop, prompt lookup and the demo draft (push), on a repetitive and a chat prompt, identical tokens required;
-it reports decode tokens/s against plain relay and the client requests per token counted by the session.
+bench_speculative.py on the client's host against that swarm: plain decoding with push (and with the client relaying
+every hop, `--speculative-relay`), prompt lookup and the demo draft, each sequential (one verify pass in flight) and
+pipelined (`--passes-in-flight`, default auto), on a repetitive and a chat prompt, identical tokens required; it
+reports decode tokens/s against plain and sequential speculation, cancelled passes, passes in flight and the
+servers' wasted positions.
 At the end, one server is restarted with an identity file that already exists (a server coming back after a crash):
 `join_with_identity_s`.
 
     sudo python bench/bench_wan.py                        # 0/20/50/100 ms, 2 servers (~4 min)
     sudo python bench/bench_wan.py --rtts 0 50 --servers 3 --new-tokens 32 --repeats 5
     sudo python bench/bench_wan.py --rtts 50 --servers 3 --model demo --speculative
+    sudo python bench/bench_wan.py --rtts 50 --servers 4 --model demo --modes push --speculative \
+        --speculative-tokens 128 --repeats 3            # pipelined speculation's goals (~15 min)
 Prints one JSON object on stdout; progress goes to stderr.
 """
 
@@ -151,7 +155,9 @@ def run_speculative(net, model: str, peers: list[str], args: argparse.Namespace)
         *peers,
         "--model",
         model,
-        "--relay-baseline",
+        *(["--relay-baseline"] if args.speculative_relay else []),
+        "--passes-in-flight",
+        str(args.passes_in_flight),
         "--prompts",
         "repetitive",
         "chat",
@@ -160,7 +166,7 @@ def run_speculative(net, model: str, peers: list[str], args: argparse.Namespace)
         "--repeats",
         str(args.repeats),
     ]
-    done = net.run("client", argv, timeout=900)
+    done = net.run("client", argv, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"bench_speculative failed: {done.stderr[-3000:]}")
     report = json.loads(done.stdout)
@@ -171,7 +177,7 @@ def run_speculative(net, model: str, peers: list[str], args: argparse.Namespace)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rtts", type=float, nargs="+", default=[0, 20, 50, 100], help="round trips to test, ms")
-    parser.add_argument("--servers", type=int, default=2, choices=(2, 3), help="servers, each on its own host")
+    parser.add_argument("--servers", type=int, default=2, choices=(2, 3, 4), help="servers, each on its own host")
     parser.add_argument("--layers", type=int, default=6, help="blocks of the tiny random Llama")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens per timed generation")
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length")
@@ -198,6 +204,8 @@ def main() -> int:
         help="also speculative decoding vs relay (bench_speculative.py; needs --model demo)",
     )
     parser.add_argument("--speculative-tokens", type=int, default=64, help="new tokens per speculative run")
+    parser.add_argument("--speculative-relay", action="store_true", help="speculative runs: also plain with relay")
+    parser.add_argument("--passes-in-flight", default="auto", help="the pipelined speculative modes' setting")
     args = parser.parse_args()
     if args.speculative and args.model != "demo":
         parser.error("--speculative needs --model demo (the draft model is the demo model's)")

@@ -278,3 +278,29 @@ def test_killing_a_server_mid_speculation_with_a_replica_keeps_the_greedy_output
     assert not swarm.procs["tail"].alive()
     assert steps < 40
 
+
+
+@pytest.mark.slow  # ~20 s: three servers of their own
+def test_killing_the_head_server_with_passes_in_flight_keeps_the_greedy_output(tiny_llama_path, tmp_path):
+    """kill -9 of the first server (the one every pass enters by) with four passes in flight: the passes not
+    answered are redone on a route through its replica, and the output is plain greedy's."""
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    prompt = torch.tensor([[1, 11, 22, 33, 44, 11, 22, 33]])
+    expected = reference.generate(prompt, max_new_tokens=40, do_sample=False)
+    kwargs = dict(assistant_model=reference, num_assistant_tokens=3, assistant_confidence_threshold=0.0,
+                  passes_in_flight=4)
+    servers = {"head": ["--blocks", "0:2", "--throughput", "1000"], "replica": ["--blocks", "0:2", "--throughput", "10"],
+               "tail": ["--blocks", "2:4"]}
+    with TestSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
+        swarm = start_named_servers(local, tiny_llama_path, servers)
+        model = AutoDistributedModelForCausalLM.from_pretrained(tiny_llama_path, initial_peers=swarm.peers)
+        try:
+            killer = KillAfter(11, lambda: local.kill(swarm.procs["head"], signal.SIGKILL))
+            with model.inference_session(max_length=64) as session:
+                out = model.generate(prompt, max_new_tokens=40, session=session, streamer=killer, **kwargs)
+                assert session.most_in_flight >= 2  # loopback answers fast: rarely all four at once
+                assert swarm.procs["head"].peer_id not in [s.peer_id for s in session.route]
+        finally:
+            model.shutdown()
+    assert torch.equal(out, expected)
+    assert not swarm.procs["head"].alive()

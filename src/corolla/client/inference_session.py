@@ -107,6 +107,8 @@ class InferenceSession:
         self.exchanges = 0  # requests sent to a server and waited for (see the class docstring)
         self.cancelled_steps = 0  # steps sent by `submit` and cancelled before their answer was used
         self.cancelled_positions = 0  # their positions: what every server of the route computed for nothing
+        self.most_in_flight = 0  # the most steps `submit` had in flight at once
+        self.in_flight_total = 0  # summed over steps: the steps in flight once it was sent, it included (for a mean)
         self._pipe: PassPipe | None = None  # steps in flight (submit), None when none are
         self._repairing: asyncio.Future | None = None  # a failed pipe's steps being redone
         self._step_times: deque[float] = deque(maxlen=16)  # seconds from sending a step to its answer, recent ones
@@ -228,6 +230,7 @@ class InferenceSession:
         self._step_times.append(time.perf_counter() - begin)
         self._state.advance(hidden.shape[1], attention_mask)
         self.steps += 1
+        self.in_flight_total += 1
         return output
 
     def _check_step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, last: int | None) -> None:
@@ -340,6 +343,9 @@ class InferenceSession:
                 return _done_pass(hidden, position, last, output)
             self._pipe = PassPipe(self._spans, self.config.request_timeout, self._pass_done)
         pipe = self._pipe
+        in_flight = len(pipe.unanswered()) + 1
+        self.most_in_flight = max(self.most_in_flight, in_flight)
+        self.in_flight_total += in_flight
         try:
             handle = await pipe.submit(hidden, position, last)
         except PipeFailed:

@@ -25,11 +25,14 @@ the random stream, not the distribution. Prompt lookup with sampling: one target
 while equal to them, as sequentially.
 
 Draft policy (`PipeDepth`): each pass drafts what the drafter proposes (its num_tokens); how many passes are in
-flight is `passes_in_flight`, or with "auto": a later pass is worth sending only while it is likely to survive, and
-only as many as the client can draft during one round trip. Pass j behind the head survives only if every pass
-before it keeps its whole draft: with r the measured fraction of passes kept whole, about r**j. "auto" keeps
-1 + j passes for the largest j with r**j >= MIN_SURVIVAL, at most MAX_PASSES and at most enough to cover the
-chain's measured round trip with the measured time to draft a pass.
+flight is `passes_in_flight`, or with "auto" a bet: pass j behind the head survives only if every pass before it
+keeps its whole draft, about r**j with r the measured fraction of passes kept whole (a Beta(1, 1) prior). If it
+survives it saves about one round trip L of the chain (measured: the recent median); if not, it cost the client
+about D, the measured time to draft and send a pass (its server work is a few positions among many). So pass j is
+sent while r**j >= D / (L + D), never below MIN_SURVIVAL (the servers' work is shared), at most as many passes as
+can be drafted during one round trip and at most MAX_PASSES in flight. Over a WAN (L ~ 150 ms, D ~ 5 ms) the pipe
+goes deep as soon as drafts are kept; on loopback (L ~ 10 ms) it stays shallow; with a drafter that is mostly
+wrong it falls back to one pass at a time.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ from corolla.client.speculative import Draft, Drafter, choose_tokens, process_po
 logger = logging.getLogger(__name__)
 
 MAX_PASSES = 8  # passes in flight at most ("auto")
-MIN_SURVIVAL = 0.3  # "auto" sends a later pass only while it survives with at least this probability
+MIN_SURVIVAL = 0.1  # "auto" never sends a pass less likely than this to survive (the servers' work is not free)
+UNMEASURED_SURVIVAL = 0.5  # the bar before a pass's round trip and drafting time were measured
 
 
 @dataclass
@@ -83,13 +87,14 @@ class PipeDepth:
         """Passes to keep in flight now; `latency`: a pass's measured round trip (None: unknown yet)."""
         if self.setting != "auto":
             return int(self.setting)
-        r = self.survival
-        later = 0
-        while later + 1 < MAX_PASSES and r ** (later + 1) >= MIN_SURVIVAL:
-            later += 1
+        r, bar, most = self.survival, UNMEASURED_SURVIVAL, MAX_PASSES - 1
         if latency is not None and self.draft_times:
             drafting = max(sum(self.draft_times) / len(self.draft_times), 1e-4)
-            later = min(later, math.ceil(latency / drafting))
+            bar = max(MIN_SURVIVAL, drafting / (latency + drafting))
+            most = min(most, math.ceil(latency / drafting))
+        later = 0
+        while later < most and r ** (later + 1) >= bar:
+            later += 1
         return 1 + later
 
 
