@@ -56,7 +56,7 @@ from corolla.client.speculative import Draft, Drafter, choose_tokens, process_po
 logger = logging.getLogger(__name__)
 
 MAX_PASSES = 8  # passes in flight at most ("auto")
-MIN_SURVIVAL = 0.1  # "auto" never sends a pass less likely than this to survive (the servers' work is not free)
+MIN_SURVIVAL = 0.25  # "auto" never sends a pass less likely than this to survive (the servers' work is shared)
 UNMEASURED_SURVIVAL = 0.5  # the bar before a pass's round trip and drafting time were measured
 
 
