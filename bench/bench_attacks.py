@@ -206,7 +206,7 @@ class Bench:
         try:
             with model.inference_session(max_length=64) as session:
                 model.generate(PROMPT[:, :3], max_new_tokens=2, session=session)
-                spans = session._spans
+                spans = session.chain.spans
                 held = session.position
                 for name, secret, position in [
                     ("push confused deputy (overwrite)", "0" * 32, 0),

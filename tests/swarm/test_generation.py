@@ -77,13 +77,13 @@ def test_beam_search_survives_a_broken_stream_by_replaying_reordered_history(mod
         def step(hidden, attention_mask=None, last=None):
             calls[0] += 1
             if calls[0] == 5:  # a decode step carrying a reordering: break span 1's stream before it is sent
-                replaced.append(session._spans[1])
-                session._spans[1].connection.close()
+                replaced.append(session.chain.spans[1])
+                session.chain.spans[1].connection.close()
             return original_step(hidden, attention_mask, last)
 
         session.step = step
         got = model.generate(PROMPT, session=session, **kwargs)
-        assert replaced and session._spans[1] is not replaced[0], "the broken span was not replaced"
+        assert replaced and session.chain.spans[1] is not replaced[0], "the broken span was not replaced"
     assert torch.equal(got, expected)
 
 

@@ -29,7 +29,7 @@ def run(model, streamer=None):
     with model.inference_session(max_length=64) as session:
         out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, streamer=streamer)
         manager = session.manager
-        return (out, [s.span.peer_id for s in session._spans], set(manager.distrusted), manager.banned(),
+        return (out, [s.span.peer_id for s in session.chain.spans], set(manager.distrusted), manager.banned(),
                 session.unverified, model.reputation())
 
 

@@ -53,7 +53,7 @@ def generate(model, streamer=None) -> tuple[torch.Tensor, list[str], int, int, i
     exchanges (requests the client waited for)."""
     with model.inference_session(max_length=64) as session:
         out = model.generate(PROMPT, max_new_tokens=30, session=session, streamer=streamer)
-        return out, [s.span.peer_id for s in session._spans], session.steps, session.pushed_steps, session.exchanges
+        return out, [s.span.peer_id for s in session.chain.spans], session.steps, session.pushed_steps, session.exchanges
 
 
 @pytest.mark.parametrize("push", [True, False])
@@ -98,7 +98,7 @@ def test_a_peer_the_owner_did_not_name_cannot_push_into_a_session_even_with_the_
     with client(swarm) as model:
         with model.inference_session(max_length=64) as session:
             first = model.generate(PROMPT[:, :3], max_new_tokens=2, session=session)
-            spans = session._spans
+            spans = session.chain.spans
             # the client's own peer knows the secret of the link first -> middle, but is not the peer it named
             attempt = run_sync(push_directly(model.swarm_node, spans[1].span.peer_id, spans[0].secret,
                                              torch.zeros(1, 1, 64), position=0))
@@ -119,7 +119,7 @@ def test_a_server_does_not_push_into_a_session_on_behalf_of_another_peer(start_s
     with client(swarm) as model, client(swarm) as attacker:
         with model.inference_session(max_length=64) as session:
             model.generate(PROMPT[:, :3], max_new_tokens=2, session=session)
-            spans = session._spans
+            spans = session.chain.spans
             held = session.position
             for secret, position in [("0" * 32, 0), ("1" * 32, 2), (spans[0].secret, 0)]:
                 attempt = run_sync(push_through_upstream(

@@ -184,10 +184,10 @@ def test_deep_ptune_session_replays_its_prompts_after_a_broken_stream(deep_model
         embeds = deep_model.head.embed(ids)
         with deep_model.inference_session(max_length=16) as session:
             first = session.step(deep_model.ptune.prepend(embeds[:, :3]))  # positions [0, P + 3)
-            broken = session._spans[1]
+            broken = session.chain.spans[1]
             broken.connection.close()
             last = session.step(embeds[:, 3:])  # span 1 fails, is replaced and replayed, then takes the step
-            assert session._spans[1] is not broken, "the broken span was not replaced"
+            assert session.chain.spans[1] is not broken, "the broken span was not replaced"
     torch.testing.assert_close(first[:, P:], expected[:, :3], atol=ATOL, rtol=0)
     torch.testing.assert_close(last, expected[:, 3:], atol=ATOL, rtol=0)
 

@@ -58,7 +58,7 @@ def generate(swarm: NamedSwarm, streamer=None, **config) -> tuple[torch.Tensor, 
     try:
         with model.inference_session(max_length=64) as session:
             out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, streamer=streamer)
-            peers = [s.span.peer_id for s in session._spans]
+            peers = [s.span.peer_id for s in session.chain.spans]
             rewinds = session.checks.rewinds
         return out, model.reputation(), peers, rewinds
     finally:

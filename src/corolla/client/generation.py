@@ -167,8 +167,11 @@ def generate(
         mask = None if mask is None else mask[:, known]
         processors = settings.logits_processors(config, prompt_len, eos, mask, logits_processor, limits.min_length)
         criteria = settings.stopping_criteria(limits.max_length, eos, config.stop_strings, tokenizer, stopping_criteria)
-        seen = [prompt_len]  # columns of the sequence the session holds (sent, or pending)
-        logits_fn = _session_logits(model, session, call, reading.call_start, seen)
+        # every decoding loop steps the session through this one (client.session_verifier)
+        verifier = SessionVerifier(
+            session, lambda ids: _embed_pending(model, session, ids, call, reading.call_start), model.lm_logits,
+            prompt_len,
+        )
         if new_tokens == 0:
             return call.returned
         if config.num_beams > 1:
@@ -182,17 +185,11 @@ def generate(
                 n_eos=len(eos),
                 fill_token=(pad or eos[0]) if eos else -1,  # what HF fills finished rows with
             )
-            result = beam_search(logits_fn, sequence, beam, processors, criteria)
+            result = beam_search(verifier.next_logits, sequence, beam, processors, criteria)
             session.reorder(result.hypo_ids)  # the servers apply it with the session's next step, if any
             session.append_tokens(result.running[:, -1:])  # the last token, not sent yet
             return _with_call_ids(call.returned, result.sequences[:, prompt_len:])
         if speculation is not None:
-            verifier = SessionVerifier(
-                session,
-                lambda ids: _embed_pending(model, session, ids, call, reading.call_start),
-                model.lm_logits,
-                prompt_len,
-            )
             drafter = _drafter(speculation, assistant_model, processors, eos, config, model.config)
             decode = dict(
                 do_sample=bool(config.do_sample),
@@ -217,10 +214,11 @@ def generate(
             return _with_call_ids(call.returned, sequence[:, prompt_len:])
         # spot checks: a liar found during the loop makes it rewind (only where columns are the session's tokens)
         rewinder = (
-            generation_rewinder(session, prompt_len, seen) if session.checks is not None and bool(known.all()) else None
+            generation_rewinder(session, prompt_len, verifier) if session.checks is not None and bool(known.all())
+            else None
         )
         sequence = _sample_or_greedy(
-            logits_fn, sequence, config, processors, criteria, pad, bool(eos), streamer, rewinder
+            verifier.next_logits, sequence, config, processors, criteria, pad, bool(eos), streamer, rewinder
         )
         session.append_tokens(sequence[:, -1:])  # the last token, not sent yet
         return _with_call_ids(call.returned, sequence[:, prompt_len:])
@@ -279,24 +277,6 @@ def _sample_or_greedy(
             continue
         if unfinished.max() == 0:
             return sequence
-
-
-def _session_logits(
-    model: GenerationModel, session: InferenceSession, call: _Call, call_start: int, seen: list[int]
-) -> Callable[[torch.Tensor, "list[int] | None"], torch.Tensor]:
-    """logits_fn(sequence (rows, s), hypo_ids) -> last-position logits (rows, vocab): reorders the session's rows by
-    hypo_ids, takes the tokens of `sequence` past the `seen[0]` columns it holds, and sends every pending token."""
-
-    def logits_fn(sequence: torch.Tensor, hypo_ids: list[int] | None) -> torch.Tensor:
-        if hypo_ids is not None:
-            session.reorder(hypo_ids)
-        session.append_tokens(sequence[:, seen[0] :])
-        seen[0] = sequence.shape[1]
-        ids, mask = session.pending_tokens()
-        hidden = session.feed(_embed_pending(model, session, ids, call, call_start), mask, last=1)  # (rows, 1, H)
-        return model.lm_logits(hidden[:, -1:])[:, -1].float()  # (rows, vocab)
-
-    return logits_fn
 
 
 def _drafter(

@@ -49,10 +49,18 @@ class SessionVerifier:
         """A step's recent median round trip through the servers, seconds (None before any)."""
         return self.session.step_latency
 
-    # ------------------------------------------------------------------ sequential (speculative.Verifier)
+    # ------------------------------------------------------------------ one step at a time
+    def next_logits(self, sequence: torch.Tensor, hypo_ids: list[int] | None = None) -> torch.Tensor:
+        """Plain decoding and beam search: reorder the session's rows by `hypo_ids` (if given), send the tokens of
+        `sequence` (rows, s) it lacks, return the logits after its last token (rows, vocab) float32."""
+        if hypo_ids is not None:
+            self.session.reorder(hypo_ids)
+        return self.verify(sequence, sequence[:, :0])[:, -1]
+
     def verify(self, sequence: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
-        """Target logits (rows, k + 1, vocab) float32 after sequence (rows, s) + draft[:, :i] for i = 0..k."""
-        handle = self.submit(sequence, draft, head=True)
+        """Sequential speculation (speculative.Verifier): target logits (rows, k + 1, vocab) float32 after sequence
+        (rows, s) + draft[:, :i] for i = 0..k, as one session step."""
+        handle = self._send(sequence, draft, head=True, in_flight=False)
         self.draft = draft
         return self.logits(handle)
 
@@ -81,6 +89,9 @@ class SessionVerifier:
     def submit(self, sequence: torch.Tensor, draft: torch.Tensor, head: bool) -> Pass:
         """Send a pass without waiting: a head pass sends the tokens of `sequence` the session lacks and `draft`; a
         continuation pass only `draft` (what the passes in flight drafted is assumed kept)."""
+        return self._send(sequence, draft, head, in_flight=True)
+
+    def _send(self, sequence: torch.Tensor, draft: torch.Tensor, head: bool, in_flight: bool) -> Pass:
         if head:
             self.session.append_tokens(sequence[:, self.seen :])
             self.seen = sequence.shape[1]
@@ -89,7 +100,7 @@ class SessionVerifier:
         ids, mask = self.session.pending_tokens()
         answer = draft.shape[1] + (1 if head else 0)
         embeddings = self.embed(ids)
-        if not self.session.can_pipeline or mask is not None:  # the first pass (prompt tuning, padding): a step
+        if not in_flight or not self.session.can_pipeline or mask is not None:  # a step (first pass, padding...)
             position = self.session.position
             hidden = self.session.feed(embeddings, mask, last=answer)
             return _answered(embeddings, position, answer, hidden)

@@ -365,14 +365,15 @@ class SessionChecks:
         self.client.manager.ban(peer_id)
 
 
-def generation_rewinder(session, prompt_len: int, seen: list[int]) -> Callable[[Tensor, bool], int | None]:
+def generation_rewinder(session, prompt_len: int, verifier) -> Callable[[Tensor, bool], int | None]:
     """For `generate`'s decoding loop over a session whose sequence columns are its token columns (no prompt-tuning
     offset beyond `session.prefix_length`, no positions known only as hidden states): rewind(sequence, final) ->
     the number of sequence columns to keep, or None to go on.
 
     Between steps it only reads the rewind the checks found; with `final` (the loop would return) it first waits
     up to ClientConfig.verify_wait for the checks in flight. On a rewind it replaces the liar's spans, rolls the
-    session back, and sets `seen[0]` (the columns the session holds) so the next step re-sends the rest."""
+    session back, and sets the `verifier`'s `seen` (client.session_verifier: the columns the session holds) so the
+    next step re-sends the rest."""
     from corolla.client.event_loop import run_sync  # the loop's helpers, imported where they are needed
 
     checks: SessionChecks = session.checks
@@ -389,7 +390,7 @@ def generation_rewinder(session, prompt_len: int, seen: list[int]) -> Callable[[
             "rewinding the session to position %d: peer %s returned wrong outputs from there", position, found.peer_id
         )
         run_sync(session.replace_distrusted(position))
-        seen[0] = session.token_ids.shape[1]  # the tokens of positions [prefix, position)
+        verifier.seen = session.token_ids.shape[1]  # the tokens of positions [prefix, position)
         return sequence_rewind(position, session.prefix_length, prompt_len, sequence.shape[1])
 
     return rewind
