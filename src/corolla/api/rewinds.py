@@ -114,6 +114,7 @@ async def rewind_choice(
     logger.warning("rewinding a choice to position %d (%d of %d generated tokens kept): peer %s returned wrong "
                    "outputs", position, keep, len(stream.generated), found.peer_id)
     await session.replace_distrusted(position)
+    checks.applied(found)
     await in_head_thread(stream.rewind, keep)
     held.rewind(keep)
     return await feed(session, stream.all_ids[position : len(stream.prompt_ids) + keep])

@@ -193,6 +193,13 @@ class SessionChecks:
         yet: the API holds back the tokens sampled from them); None when no check is in flight."""
         return min(self._covers.values(), default=None)
 
+    def applied(self, rewind: Rewind) -> None:
+        """The session was rolled back for `rewind` and its distrusted servers replaced: forget it, unless a check
+        found another since. (`replace_distrusted` forgets it only when it replaced the liar's span: a liar that had
+        left the route already, by a failover, would be rewound for again and again.)"""
+        if self.rewind is rewind:
+            self.rewind = None
+
     async def drain(self, timeout: float) -> None:
         """Wait (up to `timeout` seconds) for every check in flight."""
         if self.tasks:
