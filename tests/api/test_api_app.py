@@ -35,8 +35,9 @@ class ScriptedEngine:
         self.submitted: list[tuple[list[int], object, int]] = []
         self.owners: list[str] = []
 
-    def submit_request(self, prompts, n, params, owner=""):
+    def submit_request(self, prompts, n, params, owner="", streamed=False):
         self.owners.append(owner)
+        self.streamed = streamed
         return [self.submit(ids, params, j) for ids in prompts for j in range(n)]
 
     def submit(self, prompt_ids, params, index=0) -> StreamHandle:
@@ -87,6 +88,7 @@ def test_settings_reach_the_engine_with_generation_config_defaults(tokenizer):
     assert p2 == p
     assert ids3 == [1, 2, 3] and (p3.temperature, p3.top_p, p3.max_tokens) == (0.0, 0.9, 4)
     assert p.stop_token_ids == (tokenizer.eos_token_id,)
+    assert engine.streamed is False  # a whole response: with spot checks, its events come once they are checked
 
 
 def test_stream_is_server_sent_events_ending_in_done(tokenizer):
@@ -95,7 +97,7 @@ def test_stream_is_server_sent_events_ending_in_done(tokenizer):
                                                                   "stream_options": {"include_usage": True}}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
+    assert events[-1] == "[DONE]" and engine.streamed is True
     chunks = [json.loads(e) for e in events[:-1]]
     assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["a", "b"]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, "length"]

@@ -17,6 +17,8 @@ def test_api_flags_match_the_design_contract_and_default_from_the_config():
     args = build_parser().parse_args(["api", "m", "--initial-peers", "p", "--host", "0.0.0.0", "--port", "0",
                                       "--model-name", "mine"])
     assert (args.host, args.port, args.model_name) == ("0.0.0.0", 0, "mine")
+    assert ApiConfig.verify_rate == 0.0  # spot checks off unless asked for
+    assert build_parser().parse_args(["api", "m", "--initial-peers", "p", "--verify-rate", "0.1"]).verify_rate == 0.1
 
 
 def test_api_without_initial_peers_is_a_clear_error():
@@ -43,6 +45,11 @@ def test_api_without_keys_refuses_to_listen_beyond_loopback_unless_told_to():
         assert "Traceback" not in run.stderr
     args = build_parser().parse_args(["api", "m", "--initial-peers", "p", "--host", "0.0.0.0", "--insecure-no-auth"])
     assert args.insecure_no_auth is True and ApiConfig.insecure_no_auth is False
+
+
+def test_api_verify_rate_outside_0_1_is_a_clear_error():
+    run = run_api("--verify-rate", "1.5")
+    assert run.returncode == 2 and "--verify-rate must be within [0, 1]" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_api_keys_file_errors_are_clear_and_come_before_any_network(tmp_path):

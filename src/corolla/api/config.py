@@ -79,6 +79,14 @@ class ApiConfig:
             choices=("none", "bf16", "fp16", "int8", "4bit"),
         ),
     )
+    verify_rate: float = field(
+        default=0.0,
+        metadata=_opt(
+            "spot checks: the share of decode steps whose outputs another server holding the same blocks computes "
+            "again, in [0, 1] (ClientConfig.verify_rate); a server caught lying is never used again and the choices "
+            "it served are generated again from where it began; 0 = off"
+        ),
+    )
     alloc_timeout: float = field(
         default=10.0, metadata=_opt("seconds a new session may wait in a full server's allocation queue")
     )
@@ -130,5 +138,7 @@ class ApiConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError("--max-length must be at least 2 tokens")
+        if not 0.0 <= self.verify_rate <= 1.0:
+            raise ValueError("--verify-rate must be within [0, 1]")
         if self.idle_timeout <= 0 or self.request_timeout <= 0 or self.alloc_timeout < 0:
             raise ValueError("--idle-timeout and --request-timeout must be positive, --alloc-timeout >= 0")

@@ -28,6 +28,13 @@ One stream cannot fail the others of its batch: request values are bounded befor
 app.py), and should a shared head pass still fail (a bug, a row nobody foresaw), it is run again row by row, each
 row's random generator rewound to where the batch found it, and only the rows that fail alone end, with their
 error. Each owner may have at most `max_streams_per_key` streams in the engine (quota.StreamQuota).
+
+With spot checks on (ClientConfig.verify_rate > 0), a stream whose session found a lying server is generated again
+from where the lie began, before its next head pass (api.rewinds: the liar replaced, the session rolled back, the
+tokens from there dropped and sampled anew with the same draws). Its events are held back: a whole response gets
+them once the choice is complete and the checks in flight are done (up to ClientConfig.verify_wait), so it is
+always corrected; a streamed one gets each token once the checks covering its step passed, and should a correction
+contradict text already sent, the stream ends with an error (OutputRetracted) rather than go on with it.
 """
 
 from __future__ import annotations
@@ -36,23 +43,25 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from corolla.api.capacity import SwarmCapacity
 from corolla.api.config import ApiConfig
-from corolla.api.errors import EngineClosed, TooManyStreams
+from corolla.api.errors import EngineClosed, OutputRetracted, TooManyStreams
 from corolla.api.handle import StreamHandle
 from corolla.api.metrics import ApiMetrics
 from corolla.api.head_pass import HeadPass
 from corolla.api.quota import StreamQuota
+from corolla.api.rewinds import HeldEvents, released_tokens, rewind_choice
 from corolla.api.sampling import SamplingParams, make_generator
 from corolla.api.sessions import IdleSessions
 from corolla.api.stream import GenerationStream, StreamEvent
 from corolla.client.event_loop import get_loop, run_sync
 from corolla.client.inference_session import InferenceSession
+from corolla.client.spot_checks import SessionChecks
 from corolla.protocol.errors import AllocationFailed
 
 logger = logging.getLogger(__name__)
@@ -75,6 +84,7 @@ class _Active:
     group: int = 0  # pipeline group: the streams of a group share head passes
     owner: str = ""  # the API key (its id) the stream runs for: its kept sessions and its quota
     counted: bool = False  # the stream holds one of its owner's quota (given back when it ends)
+    held: HeldEvents = field(default_factory=lambda: HeldEvents(False))  # events waiting for spot checks
     done: bool = False
 
 
@@ -120,10 +130,10 @@ class BatchedEngine:
         return self._task is not None and not self._task.done()
 
     def submit_request(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
-                       owner: str = "") -> list[StreamHandle]:
+                       owner: str = "", streamed: bool = False) -> list[StreamHandle]:
         """Start every choice of one request (`n` per prompt; choice p * n + j is copy j of prompt p), all or none;
-        call from a running event loop (the handles' events are queued there). Raises TooManyStreams when they
-        would bring `owner` past its stream quota, EngineClosed after close()."""
+        call from a running event loop (the handles' events are queued there). `streamed`: as `submit` takes it.
+        Raises TooManyStreams when they would bring `owner` past its stream quota, EngineClosed after close()."""
         count = len(prompts) * n
         if not self.quota.take(owner, count):
             raise TooManyStreams(f"this API key may have at most {self.quota.limit} streams generating or waiting "
@@ -132,7 +142,7 @@ class BatchedEngine:
         try:
             for ids in prompts:
                 for j in range(n):
-                    handles.append(self.submit(ids, params, j, owner, counted=True))
+                    handles.append(self.submit(ids, params, j, owner, counted=True, streamed=streamed))
                     count -= 1
         except BaseException:
             for handle in handles:
@@ -144,17 +154,19 @@ class BatchedEngine:
         return handles
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, index: int = 0, owner: str = "",
-               counted: bool = False) -> StreamHandle:
+               counted: bool = False, streamed: bool = False) -> StreamHandle:
         """Start generating one choice for `owner`; call from a running event loop (the handle's events are queued
         there). `index` tells a request's choices apart (their seeded generators differ); `counted`: the stream
-        was taken from the owner's quota (given back when it ends). Raises EngineClosed after close()."""
+        was taken from the owner's quota (given back when it ends); `streamed`: the caller sends tokens as they
+        come, so with spot checks on each is posted once the checks covering it passed (otherwise all at the end).
+        Raises EngineClosed after close()."""
         if self._closing:
             raise EngineClosed("the API is shutting down")
         handle = StreamHandle(self.cancel, asyncio.get_running_loop())
         stream = GenerationStream(prompt_ids, params, self.tokenizer, self.vocab_size,
                                   make_generator(params.seed, index))
         self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
-        active = _Active(handle, stream, owner=owner, counted=counted)
+        active = _Active(handle, stream, owner=owner, counted=counted, held=HeldEvents(streamed))
         self._loop.call_soon_threadsafe(self._admit, active)
         return handle
 
@@ -362,7 +374,11 @@ class BatchedEngine:
             group = self._next_group()
             await self._gather(group)
             ready = [a for a in self._active.values() if a.hidden is not None and a.group == group]
-            if not ready:  # cancelled meanwhile
+            for a in [a for a in ready if _rewind_pending(a)]:  # a spot check convicted a server of its route
+                ready.remove(a)
+                a.hidden, a.decoding = None, False
+                a.task = self._loop.create_task(self._checked(a, None))
+            if not ready:  # cancelled or rewinding meanwhile
                 continue
             hidden = torch.stack([a.hidden for a in ready])  # (R, H)
             for a in ready:
@@ -383,12 +399,62 @@ class BatchedEngine:
                 if isinstance(event, BaseException):
                     self._fail(a, event)
                     continue
-                a.handle.post(event)
-                if event.finish_reason is not None:
+                if event.finish_reason is not None and _checks(a) is not None:
+                    a.decoding = False
+                    a.task = self._loop.create_task(self._checked(a, event))
+                elif not self._post(a, event):
+                    continue
+                elif event.finish_reason is not None:
                     self._finish(a)
                 else:
                     a.decoding, a.launched = True, launched
                     a.task = self._loop.create_task(self._decode(a, embed))
+
+    def _post(self, active: _Active, event: StreamEvent) -> bool:
+        """Hand a token's event to the client; with spot checks, hold it until the checks covering it passed (and
+        post those earlier ones they now let out). False if the stream failed: a token it sent was wrong."""
+        checks = _checks(active)
+        if checks is None:
+            active.handle.post(event)
+            return True
+        try:
+            active.held.add(event)
+        except OutputRetracted as e:
+            self._fail(active, e)
+            return False
+        for ready in active.held.release(released_tokens(checks, len(active.stream.prompt_ids))):
+            active.handle.post(ready)
+        return True
+
+    async def _checked(self, active: _Active, last: StreamEvent | None) -> None:
+        """Spot checks of the stream's session (api.rewinds). With its `last` event: wait (up to verify_wait) for the
+        checks in flight, then post its events and finish, unless a check found a liar. With a liar found: generate
+        again from where it began lying (the stream's next hidden state comes back for the head)."""
+        session = active.session
+        assert session is not None and session.checks is not None
+        try:
+            if last is not None:
+                active.held.add(last)  # posted once the checks are done
+                await session.checks.drain(session.config.verify_wait)
+                if session.checks.rewind is None:
+                    for event in active.held.release(None, final=True):
+                        active.handle.post(event)
+                    self._finish(active)
+                    return
+            self.metrics.rewinds.inc()
+            output = await rewind_choice(session, active.stream, active.held, self._in_head, self._feed)
+            active.hidden = output[0, -1]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail(active, e)
+        finally:
+            if self._wake is not None:
+                self._wake.set()
+
+    def _in_head(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
+        """Run fn(*args) on the head thread (a stream's text work)."""
+        return self._loop.run_in_executor(self._head, fn, *args)
 
     async def _sleep(self) -> None:
         assert self._wake is not None
@@ -444,6 +510,16 @@ class BatchedEngine:
         self._waiting.clear()
         self.metrics.idle_sessions_closed.labels("shutdown").inc(len(sessions))
         await asyncio.gather(*(self._close(s) for s in sessions), *self._background, return_exceptions=True)
+
+
+def _checks(active: _Active) -> SessionChecks | None:
+    """The spot checks of the stream's session; None when they are off (or it has no session)."""
+    return None if active.session is None else active.session.checks
+
+
+def _rewind_pending(active: _Active) -> bool:
+    checks = _checks(active)
+    return checks is not None and checks.rewind is not None
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

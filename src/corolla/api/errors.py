@@ -2,7 +2,8 @@
 
 400 invalid_request_error (the message and `param` name the field), 401 without a valid API key, 404 for an
 unknown model, 413 for a body past the size limit, 429 when the key has too many streams in flight, 503 when the
-swarm cannot serve the request (missing blocks, full servers, unreachable servers), 500 for a bug (logged here).
+swarm cannot serve the request (missing blocks, full servers, unreachable servers; or, ending a stream, when spot
+checks found that text it already sent came from a lying server), 500 for a bug (logged here).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ class EngineClosed(RuntimeError):
 
 class TooManyStreams(RuntimeError):
     """The request's API key already has as many streams in the engine as it may."""
+
+
+class OutputRetracted(RuntimeError):
+    """Tokens a streamed choice already sent were computed from a lying server's outputs (a spot check found it
+    later) and the corrected tokens differ: a stream cannot take text back (api.rewinds)."""
 
 
 class ApiError(Exception):
@@ -59,6 +65,8 @@ def from_exception(error: BaseException) -> ApiError:
         )
     if isinstance(error, TooManyStreams):
         return ApiError(429, str(error), "requests", None, "rate_limit_exceeded")
+    if isinstance(error, OutputRetracted):
+        return ApiError(503, str(error), "service_unavailable", None, "wrong_output_sent")
     if isinstance(error, EngineClosed):
         return ApiError(503, str(error), "service_unavailable", None, "shutting_down")
     logger.error("internal error while generating", exc_info=error)

@@ -56,7 +56,7 @@ async def run(engine: BatchedEngine, metrics: ApiMetrics, request: Request, fmt:
               arrived: float) -> Response:
     """Submit every choice and answer; the status is recorded in the request metrics."""
     try:
-        handles = engine.submit_request(job.prompts, job.n, job.params, job.owner)
+        handles = engine.submit_request(job.prompts, job.n, job.params, job.owner, streamed=job.stream)
     except TooManyStreams as e:
         return error_response(from_exception(e), metrics, job.endpoint)
     try:

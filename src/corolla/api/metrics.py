@@ -49,6 +49,11 @@ class ApiMetrics:
             ["reason"],
             registry=r,
         )
+        self.rewinds = Counter(
+            "corolla_api_rewinds",
+            "times a choice was generated again from where a server a spot check convicted began lying",
+            registry=r,
+        )
         self.active_streams = Gauge("corolla_api_active_streams", "choices being generated now", registry=r)
         self.idle_sessions = Gauge("corolla_api_idle_sessions", "finished sessions kept for prefix reuse", registry=r)
         self.tokens_per_second = Gauge(

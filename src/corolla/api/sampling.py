@@ -69,6 +69,10 @@ class RowState:
             for token, value in params.logit_bias:
                 self.bias[token] = value
 
+    def uniform(self) -> torch.Tensor:
+        """The one random number a sampled token takes (inverse-CDF): a scalar in [0, 1) from the row's generator."""
+        return torch.rand((), generator=self.generator)
+
     def observe(self, token: int) -> None:
         """Record a token the stream generated."""
         if self.seen is not None:
@@ -142,7 +146,7 @@ def _draw(scores: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     keep &= (probs >= min_p * probs[:, :1]) | (rank == 0)
     probs = probs * keep
     cdf = probs.cumsum(dim=-1)  # (r, V)
-    draws = torch.stack([torch.rand((), generator=row.generator) for row in rows])[:, None]  # (r, 1) in [0, 1)
+    draws = torch.stack([row.uniform() for row in rows])[:, None]  # (r, 1) in [0, 1)
     picked = torch.searchsorted(cdf, draws * cdf[:, -1:], right=True).clamp_(max=vocab - 1)  # (r, 1)
     # a zero-probability slot can only be hit through rounding at the very end: step back to the last kept token
     last_kept = keep.sum(dim=-1, keepdim=True) - 1

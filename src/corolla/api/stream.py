@@ -50,13 +50,19 @@ class GenerationStream:
                  generator: torch.Generator):
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        self.generated: list[int] = []
-        self.row = RowState(params, self.prompt_ids, vocab_size, generator)
-        self.finish_reason: str | None = None
+        self.tokenizer = tokenizer
         self.cached_tokens = 0  # set by the engine when the choice continued a kept session
-        self._detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_ids)
-        self._stops = StopStrings(params.stop)
         self._stop_ids = frozenset(() if params.ignore_eos else params.stop_token_ids)
+        self._start = generator.get_state()  # where the random draws began (`rewind` starts them over)
+        self._begin(RowState(params, self.prompt_ids, vocab_size, generator))
+
+    def _begin(self, row: RowState) -> None:
+        """Start with no token generated."""
+        self.generated: list[int] = []
+        self.row = row
+        self.finish_reason: str | None = None
+        self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        self._stops = StopStrings(self.params.stop)
 
     @property
     def text(self) -> str:
@@ -86,6 +92,22 @@ class GenerationStream:
             text += more + ("" if stopped else self._stops.finish())
             return self._finish(text, "stop" if stopped else "length", token, logprobs)
         return StreamEvent(text=text, token_ids=[token], logprobs=logprobs)
+
+    def rewind(self, keep: int) -> None:
+        """Forget every generated token after the first `keep` (a spot check found them computed from a lying server's
+        outputs): the stream goes on as if it had generated only those, its text, penalties and random draws
+        included, so a choice sampled with a seed draws again what it drew the first time. Raises ValueError unless
+        0 <= keep <= the tokens generated."""
+        if not 0 <= keep <= len(self.generated):
+            raise ValueError(f"cannot keep {keep} of {len(self.generated)} generated tokens")
+        tokens = self.generated[:keep]
+        generator = self.row.generator
+        generator.set_state(self._start)
+        self._begin(RowState(self.params, self.prompt_ids, self.row.vocab_size, generator))
+        for token in tokens:
+            if not self.params.greedy:
+                self.row.uniform()  # the draw that picked this token
+            self.accept(Sampled(token, None, []))
 
     def _finish(self, text: str, reason: str, token: int, logprobs: list[TokenLogprob]) -> StreamEvent:
         self.finish_reason = reason

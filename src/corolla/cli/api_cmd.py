@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     client_config = ClientConfig(initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
                                  swarm_key=config.swarm_key,
                                  request_timeout=config.request_timeout, alloc_timeout=config.alloc_timeout,
-                                 compression=config.compression)
+                                 compression=config.compression, verify_rate=config.verify_rate)
     model = AutoDistributedModelForCausalLM.from_pretrained(config.model, client_config=client_config,
                                                             torch_dtype=getattr(torch, config.dtype))
     engine = monitor = None

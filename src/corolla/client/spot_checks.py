@@ -152,6 +152,7 @@ class SessionChecks:
     def __init__(self, client: ClientChecks):
         self.client = client
         self.tasks: set[asyncio.Task[None]] = set()
+        self._covers: dict[asyncio.Task[None], int] = {}  # a check in flight -> the first position whose output it checks
         self.rewind: Rewind | None = None  # set on the event loop; read by generate between steps
         self.first_checks: set[str] = set()  # never-checked peers with a check in flight
         self.replaced: set[str] = set()  # liars this session already routed around and rewound for
@@ -180,7 +181,24 @@ class SessionChecks:
             self._guarded(span, history, output.detach(), prompts, span_session.first_output)
         )
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self._covers[task] = history.shape[1] - output.shape[1]
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self._covers.pop(task, None)
+
+    def pending_from(self) -> int | None:
+        """The first position whose output a check still in flight covers (outputs from there on are not confirmed
+        yet: the API holds back the tokens sampled from them); None when no check is in flight."""
+        return min(self._covers.values(), default=None)
+
+    def applied(self, rewind: Rewind) -> None:
+        """The session was rolled back for `rewind` and its distrusted servers replaced: forget it, unless a check
+        found another since. (`replace_distrusted` forgets it only when it replaced the liar's span: a liar that had
+        left the route already, by a failover, would be rewound for again and again.)"""
+        if self.rewind is rewind:
+            self.rewind = None
 
     async def drain(self, timeout: float) -> None:
         """Wait (up to `timeout` seconds) for every check in flight."""
