@@ -154,3 +154,18 @@ def test_auto_depth_goes_deep_over_a_wan_when_drafts_are_kept_and_stays_sequenti
 def test_a_bad_passes_in_flight_setting_is_refused(bad):
     with pytest.raises(ValueError, match="passes_in_flight"):
         PipeDepth(bad)
+
+
+def test_the_cli_takes_passes_in_flight_as_a_number_or_auto(capsys):
+    from corolla.cli.generate_cmd import sampling_kwargs
+    from corolla.cli.main import build_parser
+
+    parser = build_parser()
+    for text, value in (("3", 3), ("auto", "auto")):
+        args = parser.parse_args(["generate", "model", "--initial-peers", "p", "--prompt-lookup", "4",
+                                  "--passes-in-flight", text, "hi"])
+        assert sampling_kwargs(args)["passes_in_flight"] == value
+    for bad in ("0", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["generate", "model", "--initial-peers", "p", "--passes-in-flight", bad, "hi"])
+        assert "expected 'auto' or an integer >= 1" in capsys.readouterr().err

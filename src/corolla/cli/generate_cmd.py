@@ -61,6 +61,26 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
         help="speculative decoding without a model: draft up to N tokens copied from where the text's last "
         "words appeared before (HF's prompt_lookup_num_tokens)",
     )
+    p.add_argument(
+        "--passes-in-flight",
+        type=_passes_in_flight,
+        default=None,
+        metavar="N|auto",
+        help="speculative decoding: verify passes in flight through the servers at once (1: sequential; "
+        "default auto: by the measured round trip and how often drafts are kept)",
+    )
+
+
+def _passes_in_flight(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -81,6 +101,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
             kwargs[name] = getattr(args, name)
     if getattr(args, "prompt_lookup", None) is not None:
         kwargs["prompt_lookup_num_tokens"] = args.prompt_lookup
+    if getattr(args, "passes_in_flight", None) is not None:
+        kwargs["passes_in_flight"] = args.passes_in_flight
     return kwargs
 
 

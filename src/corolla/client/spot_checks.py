@@ -408,6 +408,7 @@ def generation_rewinder(session, prompt_len: int, verifier) -> Callable[[Tensor,
             "rewinding the session to position %d: peer %s returned wrong outputs from there", position, found.peer_id
         )
         run_sync(session.replace_distrusted(position))
+        checks.applied(found)  # also when the liar had left the route by a failover: no rewind loop
         verifier.seen = session.token_ids.shape[1]  # the tokens of positions [prefix, position)
         return sequence_rewind(position, session.prefix_length, prompt_len, sequence.shape[1])
 
