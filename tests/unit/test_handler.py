@@ -210,3 +210,21 @@ def test_a_v1_request_on_a_v1_handler_name_gets_a_v1_error_naming_both_versions(
     assert reply["tensors"] == [] and reply["msg"]["kind"] == "error" and reply["msg"]["code"] == "bad_request"
     assert f"peer speaks corolla protocol v1, this side speaks v{PROTOCOL_VERSION}" in reply["msg"]["message"]
     assert closed
+
+
+def test_a_step_older_than_the_last_one_run_is_refused(stack):
+    """Steps of a session run in the order of their ids: a late one (a push overtaken by the owner's own retry)
+    must not overwrite what the newer step wrote."""
+    torch.manual_seed(2)
+    prompt, token, late = torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN), torch.randn(1, 1, HIDDEN)
+
+    async def scenario(handler, talk):
+        send, receive = await open_session(talk)
+        await step(send, receive, prompt, 0, step_id=4)
+        await step(send, receive, token, 3, step_id=7)
+        send(framed(InferenceStep(step_id=5, position=3), {"hidden": late}))
+        return await receive()
+
+    reply, _ = serve(stack, scenario)
+    assert isinstance(reply, ErrorReply) and reply.code == "bad_request"
+    assert "step 5 arrived after step 7" in reply.message

@@ -459,7 +459,15 @@ class ConnectionHandler:
     ) -> tuple[StepResult, torch.Tensor]:
         """Check, plan and run one inference step of `session`, wherever it came from; returns the answer and the
         blocks' output (B, T, H) in the dtype it was sent in. A step from an earlier position rolls the session
-        back first. Raises RequestError for a step this session cannot take."""
+        back first. Steps run in the order of their ids (the owner numbers them; a pushed step keeps its id): one
+        older than the last one run is refused, so a push that arrives after the owner sent a newer step itself (a
+        relayed retry, a failover) cannot overwrite what that step wrote. Raises RequestError for a step this
+        session cannot take."""
+        if message.step_id < session.last_step_id:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"step {message.step_id} arrived after step {session.last_step_id}: a session's steps run in order",
+            )
         step = self.checks.step(
             message,
             tensors,

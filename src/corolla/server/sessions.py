@@ -45,6 +45,7 @@ class ServerSession:
     adapter: str | None  # LoRA adapter of every step; None: the base model
     cache: SessionKV
     position: int = 0  # tokens the cache holds; a step may start at or before it (a rollback)
+    last_step_id: int = 0  # the id of the last step run: a session's steps arrive in order (handler.run_step)
 
     @property
     def num_blocks(self) -> int:
@@ -53,6 +54,7 @@ class ServerSession:
     def advance(self, step: Step) -> None:
         """Record that `step` ran: the cache now holds its tokens and nothing after them."""
         self.position = step.end
+        self.last_step_id = max(self.last_step_id, step.step_id)
 
 
 class SessionTable:
