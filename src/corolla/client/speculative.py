@@ -113,22 +113,11 @@ def speculative_decode(
         chosen = choose_tokens(scores, draft, free, do_sample)  # (rows, n + 1)
         steps += 1
         drafted_total += draft.tokens.shape[1]
-        appended = 0
-        for i in range(chosen.shape[1]):
-            tokens = chosen[:, i]
-            if has_eos:
-                tokens = torch.where(unfinished, tokens, torch.full_like(tokens, fill))
-            sequence = torch.cat([sequence, tokens[:, None]], dim=1)
-            if mask is not None:
-                mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.bool)], dim=1)
-            if streamer is not None:
-                streamer.put(tokens.cpu())
-            unfinished = unfinished & ~criteria(sequence, None).to(torch.bool)
-            appended += 1
-            if not bool(unfinished.any()):
-                break
+        before = sequence.shape[1]
+        sequence, mask, unfinished = emit(chosen, sequence, mask, unfinished, fill if has_eos else None, criteria,
+                                          streamer)
         verifier.settle(sequence)
-        drafter.update(appended - 1, draft.tokens.shape[1])
+        drafter.update(sequence.shape[1] - before - 1, draft.tokens.shape[1])
         if not bool(unfinished.any()):
             logger.debug(
                 "speculative decoding: %d tokens in %d steps, %d draft tokens sent",
@@ -137,6 +126,34 @@ def speculative_decode(
                 drafted_total,
             )
             return sequence
+
+
+def emit(
+    chosen: Tensor,
+    sequence: Tensor,
+    mask: Tensor | None,
+    unfinished: Tensor,
+    fill: int | None,
+    criteria: StoppingCriteriaList,
+    streamer: Any = None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Append the token columns `chosen` (rows, n) to `sequence` one at a time, as the plain loop would: finished
+    rows get `fill` (None: no eos, nothing finishes early), the streamer each column, the criteria each prefix;
+    stops after the column that finishes every row. Returns (sequence, mask, unfinished)."""
+    rows = sequence.shape[0]
+    for i in range(chosen.shape[1]):
+        tokens = chosen[:, i]
+        if fill is not None:
+            tokens = torch.where(unfinished, tokens, torch.full_like(tokens, fill))
+        sequence = torch.cat([sequence, tokens[:, None]], dim=1)
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.bool)], dim=1)
+        if streamer is not None:
+            streamer.put(tokens.cpu())
+        unfinished = unfinished & ~criteria(sequence, None).to(torch.bool)
+        if not bool(unfinished.any()):
+            break
+    return sequence, mask, unfinished
 
 
 def process_positions(processors: LogitsProcessorList, sequence: Tensor, draft: Tensor, logits: Tensor) -> Tensor:

@@ -51,7 +51,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from corolla.client.pass_pipe import Pass
 from corolla.client.session_verifier import SessionVerifier
-from corolla.client.speculative import Draft, Drafter, choose_tokens, process_positions
+from corolla.client.speculative import Draft, Drafter, choose_tokens, emit, process_positions
 
 logger = logging.getLogger(__name__)
 
@@ -169,20 +169,11 @@ def pipelined_decode(
         whole = chosen.shape[1] - 1 == k
         depth.record(whole)
         goes_on = whole and bool(inflight)
-        emit = chosen[:, :k] if goes_on else chosen
         before = sequence.shape[1]
-        for i in range(emit.shape[1]):
-            tokens = emit[:, i]
-            if has_eos:
-                tokens = torch.where(unfinished, tokens, torch.full_like(tokens, fill))
-            sequence = torch.cat([sequence, tokens[:, None]], dim=1)
-            if mask is not None:
-                mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.bool)], dim=1)
-            if streamer is not None:
-                streamer.put(tokens.cpu())
-            unfinished = unfinished & ~criteria(sequence, None).to(torch.bool)
-            if not bool(unfinished.any()):
-                break
+        sequence, mask, unfinished = emit(
+            chosen[:, :k] if goes_on else chosen, sequence, mask, unfinished, fill if has_eos else None, criteria,
+            streamer,
+        )
         drafter.update(chosen.shape[1] - 1, k)
         done = not bool(unfinished.any())
         if goes_on and not done and torch.equal(sequence[:, before:], draft.tokens):
