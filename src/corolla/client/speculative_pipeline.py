@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ class PipeDepth:
             return int(self.setting)
         r, bar, most = self.survival, UNMEASURED_SURVIVAL, MAX_PASSES - 1
         if latency is not None and self.draft_times:
-            drafting = max(sum(self.draft_times) / len(self.draft_times), 1e-4)
+            drafting = max(statistics.median(self.draft_times), 1e-4)
             bar = max(MIN_SURVIVAL, drafting / (latency + drafting))
             most = min(most, math.ceil(latency / drafting))
         later = 0
@@ -149,10 +150,12 @@ def pipelined_decode(
             draft = drafter.propose(speculated, spec_mask, free, fill, limit) if limit > 0 else Draft.empty(rows)
             if inflight and draft.tokens.shape[1] == 0:
                 break
+            in_flight = verifier.can_pipeline  # else this pass runs before `submit` returns: not a drafting time
             handle = verifier.submit(sequence, draft.tokens, head=not inflight)
             inflight.append(_InFlight(handle, draft, head=len(inflight) == 0))
             speculated = torch.cat([speculated, draft.tokens], dim=1)
-            depth.draft_times.append(time.perf_counter() - begin)
+            if in_flight:
+                depth.draft_times.append(time.perf_counter() - begin)
             stats.passes += 1
             stats.most_in_flight = max(stats.most_in_flight, len(inflight))
             stats.in_flight_total += len(inflight)
