@@ -65,7 +65,7 @@ def test_grad_wrt_inputs_embeds_matches_local_hf_autograd(model, reference):
 
 
 def test_chunked_backward_is_exact_and_sends_one_row_per_message(model, reference, monkeypatch):
-    manager = model.transformer.manager
+    manager = model.sequence_manager
     monkeypatch.setattr(manager, "config", replace(manager.config, max_chunk_bytes=1))  # every chunk: one row
     rows = []
     backward_span = RemoteBlocks.backward_span

@@ -112,7 +112,7 @@ class BatchedEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._step_time: float | None = None  # usual duration of a decode step (smoothed), seconds
-        self._capacity = SwarmCapacity(model.transformer.manager)
+        self._capacity = SwarmCapacity(model.sequence_manager)
         self._opening = 0  # cache tokens of the sessions being opened now (maybe not reserved on the servers yet)
         self._closing = False
 

@@ -39,7 +39,7 @@ class HeadPass:
         self.metrics = metrics
         with torch.inference_mode():  # the LM head's real width (a checkpoint may pad it past config.vocab_size)
             probe = torch.zeros(1, 1, int(model.config.hidden_size), dtype=model.dtype, device=model.device)
-            self.vocab_size = int(model.head.logits(probe).shape[-1])
+            self.vocab_size = int(model.lm_logits(probe).shape[-1])
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         rows = getattr(embeddings, "num_embeddings", None)
         self.token_limit = min(self.vocab_size, rows) if isinstance(rows, int) else self.vocab_size
@@ -47,7 +47,7 @@ class HeadPass:
     @torch.inference_mode()
     def embed(self, ids: list[int]) -> torch.Tensor:
         """Input embeddings of a prompt: (1, T, H)."""
-        return self.model.head.embed(torch.tensor([ids], dtype=torch.long, device=self.model.device))
+        return self.model.embed(input_ids=torch.tensor([ids], dtype=torch.long))
 
     @torch.inference_mode()
     def __call__(self, streams: Sequence[GenerationStream], hidden: torch.Tensor) -> list[RowResult]:
@@ -92,7 +92,7 @@ class HeadPass:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, H) -> (R, V) logits; ids the embeddings cannot take back (a padded head) are never picked."""
-        logits = self.model.head.logits(hidden[:, None, :])[:, 0]  # (R, V)
+        logits = self.model.lm_logits(hidden[:, None, :])[:, 0]  # (R, V)
         if self.token_limit < self.vocab_size:
             logits[:, self.token_limit :] = -float("inf")
         return logits
@@ -114,4 +114,4 @@ class HeadPass:
 
     def _lookup(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([[t] for t in tokens], dtype=torch.long, device=self.model.device)
-        return self.model.head.embed(ids)  # (R', 1, H)
+        return self.model.embed(input_ids=ids)  # (R', 1, H)

@@ -129,7 +129,7 @@ def _default_max_length(model) -> int:
 
     positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
     limit = min(int(positions), DEFAULT_MAX_LENGTH)
-    manager = model.transformer.manager
+    manager = model.sequence_manager
     try:
         run_sync(manager.update(force=True), timeout=30)
     except Exception as e:  # the swarm is unreachable now: requests will say so

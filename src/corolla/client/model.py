@@ -67,6 +67,12 @@ class DistributedModelForCausalLM(nn.Module):
         return self._node
 
     @property
+    def sequence_manager(self) -> SequenceManager:
+        """The client's view of the swarm (client.sequence_manager): servers, routes, bans; what `corolla api` reads
+        the swarm's capacity from."""
+        return self.transformer.manager
+
+    @property
     def dtype(self) -> torch.dtype:
         return next(self.head.parameters()).dtype
 

@@ -52,7 +52,7 @@ def main() -> int:
     except Exception as e:
         print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}), flush=True)
         return 1
-    manager = model.transformer.manager
+    manager = model.sequence_manager
     print(json.dumps({"ready": True, "peer_id": manager.node.peer_id}), flush=True)
 
     for line in sys.stdin:
