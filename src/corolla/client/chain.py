@@ -10,8 +10,8 @@ the position it is told, over push or relay, and keeps the route working:
 Each span remembers every input it was sent (its history). When a server fails, the chain routes a replacement for
 exactly that span's blocks (possibly several smaller servers), replays the history to rebuild their caches, and
 continues the same step: the failure is invisible to the caller. Who is at fault for a failed push step is decided
-by client.failover_plan (pure); this module applies its decision. Spot checks observe every accepted answer
-(`checks`, client.spot_checks.SessionChecks: `after_step`, `replaced`, `client.reputation`), or nothing when off.
+by client.failover_plan (pure); this module applies its decision. Spot checks observe the chain through
+`StepObserver` (every accepted answer, every peer distrusted or replaced), or nothing watches when they are off.
 
     client ──x──> span 0 [0:3) ──h──> span 1 [3:6) ──h──> head
                    history0: inputs at block 0   history1: inputs at block 3
@@ -26,6 +26,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -38,10 +39,23 @@ from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
 from corolla.client.session_state import SessionState
 from corolla.client.span_session import BadAnswer, PushFailed, SpanSession, new_secret, pushed_by
-from corolla.client.spot_checks import SessionChecks
 from corolla.protocol.errors import PeerUnavailable, RemoteError
 
 logger = logging.getLogger(__name__)
+
+
+class StepObserver(Protocol):
+    """What watches the chain (client.spot_checks.SessionChecks, when spot checks are on)."""
+
+    def after_step(self, span: SpanSession, position: int, output: torch.Tensor, prompts: torch.Tensor | None,
+                   end: int) -> None:
+        """`span` answered the step [position, end) well with `output` (its last positions); never blocks."""
+
+    def on_distrust(self, peer_id: str) -> None:
+        """`peer_id` was proven dishonest and is never routed through again."""
+
+    def on_replace(self, peer_id: str) -> None:
+        """The spans of the distrusted `peer_id` were replaced (a spot check's rewind)."""
 
 
 class Chain:
@@ -59,7 +73,7 @@ class Chain:
         start: int,
         end: int,
         prompts: torch.Tensor | None,
-        checks: SessionChecks | None,
+        checks: StepObserver | None,
     ):
         self.manager, self.config, self.state = manager, config, state
         self.max_length, self.batch_size, self.start, self.end = max_length, batch_size, start, end
@@ -419,8 +433,7 @@ class Chain:
     def _distrust(self, peer_id: str, reason: str) -> None:
         """Never route through `peer_id` again in this client (proven wrong), and keep it in the reputation record."""
         if self.checks is not None:
-            self.checks.client.reputation.failed(peer_id, distrust=True)
-            self.checks.client.save(now=True)
+            self.checks.on_distrust(peer_id)
         self.manager.distrusted.add(peer_id)
 
     async def _fix_links(self, spans: list[SpanSession]) -> None:
@@ -499,7 +512,7 @@ class Chain:
                 index += 1
                 continue
             if self.checks is not None:
-                self.checks.replaced.add(span.span.peer_id)
+                self.checks.on_replace(span.span.peer_id)
             before = len(self.spans)
             await self._replace_span(index, position)
             index += len(self.spans) - before + 1

@@ -159,6 +159,16 @@ class SessionChecks:
         self.rewinds: list[int] = []  # the positions this session was rewound to, in order
         self.disputes: list[Dispute] = []  # disagreements nothing settled: the session's output is unverified
 
+    # ------------------------------------------------------------------ the chain's observer (client.chain.StepObserver)
+    def on_distrust(self, peer_id: str) -> None:
+        """The chain proved `peer_id` dishonest (its own signed receipt): keep it in the reputation record now."""
+        self.client.reputation.failed(peer_id, distrust=True)
+        self.client.save(now=True)
+
+    def on_replace(self, peer_id: str) -> None:
+        """The chain routed around the distrusted `peer_id` for a rewind."""
+        self.replaced.add(peer_id)
+
     # ------------------------------------------------------------------ on the event loop, after each span's step
     def after_step(
         self, span_session, position: int, output: Tensor, prompts: Tensor | None, end: int | None = None
