@@ -116,3 +116,24 @@ def test_without_a_third_holder_the_client_computes_the_span_itself_and_convicts
     assert reputation.get(corrupt, {}).get("distrusted") and rewinds == [0], (reputation, swarm.peer_ids, rewinds)
     assert peers == [swarm.peer_ids["head"], swarm.peer_ids["honest"]]
     assert not reputation.get(swarm.peer_ids["honest"], {}).get("distrusted")  # the checker is neither blamed nor credited
+
+
+@pytest.mark.parametrize("passes_in_flight", [pytest.param(1, marks=pytest.mark.slow), 3])
+def test_speculative_decoding_rewinds_after_a_corrupt_server_and_equals_hf_greedy(start_swarm, expected,
+                                                                                   passes_in_flight):
+    """Spot checks during speculative decoding, sequential and with passes in flight: the corrupt server's outputs
+    are found, every pass in flight cancelled, the session rewound and the tokens generated again."""
+    swarm = start_swarm(head=("0:2", []), corrupt=("2:4", [*PREFERRED, "--inject-fault", "corrupt"]),
+                        honest=("2:4", BACKUP), third=("2:4", BACKUP))
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        swarm.model_path, initial_peers=swarm.peers, client_config=ClientConfig(ping_timeout=10.0, verify_rate=1.0))
+    try:
+        with model.inference_session(max_length=64) as session:
+            out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, prompt_lookup_num_tokens=3,
+                                 passes_in_flight=passes_in_flight, streamer=ArmAt(3, swarm.procs["corrupt"]))
+            peers = [s.span.peer_id for s in session.chain.spans]
+            rewinds = session.checks.rewinds
+    finally:
+        model.shutdown()
+    assert torch.equal(out, expected)
+    assert rewinds and swarm.peer_ids["corrupt"] not in peers

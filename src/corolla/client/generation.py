@@ -37,7 +37,7 @@ from corolla.client.inference_session import InferenceSession
 from corolla.client.prompt_lookup import PromptLookupDrafter
 from corolla.client.session_state import UNKNOWN
 from corolla.client.session_verifier import SessionVerifier
-from corolla.client.speculative import Drafter, speculative_decode
+from corolla.client.speculative import Drafter, rewound, speculative_decode
 from corolla.client.speculative_pipeline import PipeDepth, pipelined_decode
 from corolla.client.spot_checks import generation_rewinder
 
@@ -174,6 +174,11 @@ def generate(
         )
         if new_tokens == 0:
             return call.returned
+        # spot checks: a liar found during the loop makes it rewind (only where columns are the session's tokens)
+        rewinder = (
+            generation_rewinder(session, prompt_len, verifier) if session.checks is not None and bool(known.all())
+            else None
+        )
         if config.num_beams > 1:
             beam = BeamSettings(
                 num_beams=config.num_beams,
@@ -199,6 +204,7 @@ def generate(
                 pad=pad,
                 has_eos=bool(eos),
                 streamer=streamer,
+                rewinder=rewinder,
             )
             if depth.setting == 1:
                 sequence = speculative_decode(verifier, drafter, sequence, mask, **decode)
@@ -212,11 +218,6 @@ def generate(
             ):
                 assistant_model.generation_config.num_assistant_tokens = drafter.num_tokens  # kept, as HF keeps it
             return _with_call_ids(call.returned, sequence[:, prompt_len:])
-        # spot checks: a liar found during the loop makes it rewind (only where columns are the session's tokens)
-        rewinder = (
-            generation_rewinder(session, prompt_len, verifier) if session.checks is not None and bool(known.all())
-            else None
-        )
         sequence = _sample_or_greedy(
             verifier.next_logits, sequence, config, processors, criteria, pad, bool(eos), streamer, rewinder
         )
@@ -270,10 +271,8 @@ def _sample_or_greedy(
         unfinished = unfinished & ~criteria(sequence, None)
         keep = None if rewinder is None else rewinder(sequence, bool(unfinished.max() == 0))
         if keep is not None:  # spot checks found wrong outputs: regenerate after column `keep`
-            sequence = sequence[:, :keep]
-            unfinished = torch.ones(sequence.shape[0], dtype=torch.long)
-            for column in range(start + 1, keep + 1):
-                unfinished = unfinished & ~criteria(sequence[:, :column], None)
+            sequence, _, still = rewound(sequence, None, keep, start, criteria)
+            unfinished = still.to(torch.long)
             continue
         if unfinished.max() == 0:
             return sequence

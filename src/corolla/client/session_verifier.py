@@ -45,6 +45,12 @@ class SessionVerifier:
         return self.session.can_pipeline
 
     @property
+    def rewind_pending(self) -> bool:
+        """Spot checks found wrong outputs the session has not been rewound for yet."""
+        checks = self.session.checks
+        return checks is not None and checks.rewind is not None
+
+    @property
     def latency(self) -> float | None:
         """A step's recent median round trip through the servers, seconds (None before any)."""
         return self.session.step_latency

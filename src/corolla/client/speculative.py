@@ -29,6 +29,7 @@ the plain decoding loop shows them, so eos, max_length and stop strings end gene
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -93,12 +94,15 @@ def speculative_decode(
     pad: int | None,
     has_eos: bool,
     streamer: Any = None,
+    rewinder: Callable[[Tensor, bool], int | None] | None = None,
 ) -> Tensor:
     """Decode from `sequence` (rows, s) until every row meets a stopping criterion; returns the whole sequence.
 
     `mask` (rows, s) is the sequence's attention mask (left padding) or None. `max_length` bounds the sequence's
     length (a MaxLengthCriteria in `criteria` stops it there); drafts never reach past it. `pad` replaces the tokens
-    of rows finished by eos (when `has_eos`), as HF does. The streamer gets each new token column on its own."""
+    of rows finished by eos (when `has_eos`), as HF does. The streamer gets each new token column on its own.
+    `rewinder(sequence, final)` (spot checks, client.spot_checks.generation_rewinder) may answer a number of columns
+    to keep after a step: the tokens after them are generated again (a streamer has already seen the dropped ones)."""
     rows = sequence.shape[0]
     unfinished = torch.ones(rows, dtype=torch.bool)
     steps = drafted_total = 0
@@ -118,6 +122,10 @@ def speculative_decode(
                                           streamer)
         verifier.settle(sequence)
         drafter.update(sequence.shape[1] - before - 1, draft.tokens.shape[1])
+        keep = None if rewinder is None else rewinder(sequence, not bool(unfinished.any()))
+        if keep is not None:  # spot checks found wrong outputs: generate again after column `keep`
+            sequence, mask, unfinished = rewound(sequence, mask, keep, start, criteria)
+            continue
         if not bool(unfinished.any()):
             logger.debug(
                 "speculative decoding: %d tokens in %d steps, %d draft tokens sent",
@@ -154,6 +162,18 @@ def emit(
         if not bool(unfinished.any()):
             break
     return sequence, mask, unfinished
+
+
+def rewound(
+    sequence: Tensor, mask: Tensor | None, keep: int, start: int, criteria: StoppingCriteriaList
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The first `keep` columns of `sequence` (and `mask`), and which rows are unfinished after them (the criteria
+    replayed over the columns generated from `start`, as the loop saw them)."""
+    sequence = sequence[:, :keep]
+    unfinished = torch.ones(sequence.shape[0], dtype=torch.bool)
+    for column in range(start + 1, keep + 1):
+        unfinished = unfinished & ~criteria(sequence[:, :column], None).to(torch.bool)
+    return sequence, None if mask is None else mask[:, :keep], unfinished
 
 
 def process_positions(processors: LogitsProcessorList, sequence: Tensor, draft: Tensor, logits: Tensor) -> Tensor:

@@ -42,6 +42,7 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from corolla.client.pass_pipe import Pass
 from corolla.client.session_verifier import SessionVerifier
-from corolla.client.speculative import Draft, Drafter, choose_tokens, emit, process_positions
+from corolla.client.speculative import Draft, Drafter, choose_tokens, emit, process_positions, rewound
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +130,12 @@ def pipelined_decode(
     depth: PipeDepth,
     streamer: Any = None,
     stats: PipeStats | None = None,
+    rewinder: Callable[[Tensor, bool], int | None] | None = None,
 ) -> Tensor:
     """Decode from `sequence` (rows, s) until every row meets a stopping criterion, with passes in flight as
-    `depth` says; returns the whole sequence. Arguments as speculative.speculative_decode's."""
-    rows = sequence.shape[0]
+    `depth` says; returns the whole sequence. Arguments as speculative.speculative_decode's; a spot check's rewind
+    (`rewinder`) first cancels every pass in flight."""
+    rows, start = sequence.shape[0], sequence.shape[1]
     stats = PipeStats() if stats is None else stats
     unfinished = torch.ones(rows, dtype=torch.bool)
     fill = pad if pad is not None else 0
@@ -179,13 +182,18 @@ def pipelined_decode(
         )
         drafter.update(chosen.shape[1] - 1, k)
         done = not bool(unfinished.any())
-        if goes_on and not done and torch.equal(sequence[:, before:], draft.tokens):
+        checking = rewinder is not None and (done or verifier.rewind_pending)  # spot checks: stop the pipe first
+        if goes_on and not done and not checking and torch.equal(sequence[:, before:], draft.tokens):
             verifier.keep(draft.tokens)
             carry = scores[:, k]
             continue
         stats.cancelled += len(inflight)
         verifier.settle(sequence, current.handle, draft.tokens)
         inflight.clear()
+        keep = rewinder(sequence, done) if checking and rewinder is not None else None
+        if keep is not None:  # wrong outputs found: generate again after column `keep`
+            sequence, mask, unfinished = rewound(sequence, mask, keep, start, criteria)
+            done = False
         speculated, carry = sequence, None
         if done:
             return sequence
