@@ -17,6 +17,7 @@ import signal
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from test_failover import BACKUP, PREFERRED, PROMPT, ActAfter, client  # noqa: F401 (fixture)
 from test_verification import NEW_TOKENS, client_cache, expected  # noqa: F401 (fixtures: HF's tokens, the cache dir)
@@ -105,3 +106,26 @@ def test_a_server_answering_nan_is_banned_and_its_replica_takes_over_with_nobody
     assert peers == [swarm.peer_ids[name] for name in ("first", "replica", "last")]
     assert swarm.peer_ids["middle"] in banned
     assert swarm.peer_ids["last"] not in banned | distrusted and swarm.peer_ids["first"] not in banned | distrusted
+
+
+def test_a_corrupt_push_among_passes_in_flight_convicts_the_pusher_and_the_output_is_hf_greedy(
+        start_swarm, expected, tiny_llama_path):
+    """Pipelined speculation: the middle server starts corrupting its pushes while several passes are in flight;
+    the first answer judged against its receipt fails the pipe, the pusher is distrusted and replaced, and the passes
+    not answered are redone: nobody else is blamed and the tokens are HF's."""
+    servers = {name: (blocks, []) for name, blocks in THREE.items()}
+    servers["middle"] = (THREE["middle"], [*PREFERRED, "--inject-fault", "corrupt-push"])
+    servers["replica"] = (THREE["middle"], BACKUP)
+    swarm = start_swarm(**servers)
+    drafter = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()  # every draft right
+    with client(swarm) as model, model.inference_session(max_length=64) as session:
+        out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, assistant_model=drafter,
+                             num_assistant_tokens=3, assistant_confidence_threshold=0.0, passes_in_flight=4,
+                             streamer=ActAfter(4, lambda: arm(swarm, "middle")))
+        peers = [s.span.peer_id for s in session.chain.spans]
+        distrusted, banned = set(session.manager.distrusted), session.manager.banned()
+        assert session.most_in_flight >= 2
+    assert torch.equal(out, expected)
+    assert distrusted == {swarm.peer_ids["middle"]}
+    assert peers == [swarm.peer_ids[name] for name in ("first", "replica", "last")]
+    assert not {swarm.peer_ids["first"], swarm.peer_ids["last"]} & set(banned)
