@@ -32,10 +32,10 @@ import torch
 
 from corolla.client.config import ClientConfig
 from corolla.client.failover_plan import culprit, repair_plan
-from corolla.client.pass_pipe import Pass, PassPipe, PipeFailed
+from corolla.client.pass_pipe import Pass, PassPipe, PipeFailed, answered
 from corolla.client.pipelined_prefill import ChunkFailed, chunk_tokens, pipelined_push
-from corolla.client.push_route import RouteHop, can_push, links_to_fix, wanted_links
-from corolla.client.routing import Span
+from corolla.client.push_route import can_push, links_to_fix
+from corolla.client.route_opening import close_spans, open_route
 from corolla.client.sequence_manager import SequenceManager
 from corolla.client.session_state import SessionState
 from corolla.client.span_session import BadAnswer, PushFailed, SpanSession, new_secret, pushed_by
@@ -80,7 +80,7 @@ class Chain:
         self.prompts = prompts
         self.checks = checks
         self.spans: list[SpanSession] | None = None  # opened by the first step
-        self._next_id = itertools.count(1).__next__  # step ids, shared by every span (a pushed step keeps its id)
+        self.next_id = itertools.count(1).__next__  # step ids, shared by every span (a pushed step keeps its id)
         self.pushed_steps = 0  # steps that went server to server all the way (push mode, no hop failed)
         self.exchanges = 0  # requests sent to a server and waited for (client.inference_session's doc)
         self.cancelled_steps = 0  # steps sent by `submit` and cancelled before their answer was used
@@ -118,7 +118,7 @@ class Chain:
                 await self._fix_links(self.spans)
             except (PeerUnavailable, RemoteError) as e:  # the step relays, finding and replacing who failed
                 logger.info("set_push failed: %s", e)
-                return _done_pass(hidden, position, last, await self.run(hidden, position, None, None, last))
+                return answered(hidden, position, last, await self.run(hidden, position, None, None, last))
             self._pipe = PassPipe(self.spans, self.config.request_timeout, self._pass_done)
         pipe = self._pipe
         in_flight = len(pipe.unanswered()) + 1
@@ -129,7 +129,7 @@ class Chain:
             return await pipe.submit(hidden, position, last)
         except PipeFailed:
             await self._repair(pipe)
-            return _done_pass(hidden, position, last, await self._redo(hidden, position, last))
+            return answered(hidden, position, last, await self._redo(hidden, position, last))
 
     async def wait(self, handle: Pass) -> torch.Tensor:
         """The output of a submitted step; a failure meanwhile is repaired (the unanswered steps redone)."""
@@ -138,7 +138,7 @@ class Chain:
             await asyncio.wait({handle.result, pipe.failure}, return_when=asyncio.FIRST_COMPLETED)
             if not handle.result.done():
                 await self._repair(pipe)
-        output = await handle.result
+        output = handle.result.result() if handle.result.done() else await handle.result
         if self._pipe is not None and handle.step_id:
             self._pipe.release(handle)
         return output
@@ -528,86 +528,9 @@ class Chain:
             await self._close_spans(spans)
 
     async def _open_chain(self, start: int, end: int, history: torch.Tensor | None) -> list[SpanSession]:
-        """Open sessions on a fresh route over [start, end) and replay `history` (inputs at block `start`) into them.
-
-        Each span's session is opened with the push links of this route (client.push_route); the links to the spans
-        around it, when it replaces part of a route, are set before the next push step. A server failing while
-        being opened or replayed into is banned and the route re-planned, up to max_retries.
-        """
-        failures = 0
-        while True:
-            route = await self.manager.make_route(
-                start, end, cache_tokens_needed=self.batch_size * self.max_length, adapter=self.config.active_adapter
-            )
-            opened: list[SpanSession] = []
-            span = route[0]
-            secrets = [new_secret() for _ in route]
-            links = wanted_links([RouteHop(s.peer_id, secret, None, None) for s, secret in zip(route, secrets)])
-            if not self.config.push:
-                links = [(None, None)] * len(route)
-            try:
-                # every span's stream opens at once (one round trip in all, not one per server)
-                results = await asyncio.gather(
-                    *(
-                        SpanSession.open(
-                            self.manager,
-                            s,
-                            self.max_length,
-                            self.batch_size,
-                            self.config,
-                            self._next_id,
-                            self._span_prompts(s),
-                            secret,
-                            source,
-                            target,
-                        )
-                        for s, secret, (source, target) in zip(route, secrets, links)
-                    ),
-                    return_exceptions=True,
-                )
-                opened = [r for r in results if isinstance(r, SpanSession)]
-                for s, r in zip(route, results):
-                    if isinstance(r, BaseException):
-                        span = s
-                        raise r
-                x = history
-                for session in opened:
-                    span = session.span
-                    if x is not None and x.shape[1] > 0:
-                        self.exchanges += 1
-                        x = await session.step(x, 0, self.config.request_timeout, self.state.replay_mask(x.shape[1]))
-                        if span is route[-1]:  # spot checks: only its later outputs leave the route
-                            session.first_output = x.shape[1]
-            except (PeerUnavailable, RemoteError) as e:
-                await self._close_spans(opened)
-                failures = self.manager.after_failure(e, failures, span)
-                await self.manager.backoff(failures)
-                continue
-            except BaseException:
-                await self._close_spans(opened)
-                raise
-            logger.debug(
-                "session route %d:%d -> %s",
-                start,
-                end,
-                [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened],
-            )
-            return opened
-
-    def _span_prompts(self, span: Span) -> torch.Tensor | None:
-        """The deep prompts of blocks [span.start, span.end), or None."""
-        if self.prompts is None:
-            return None
-        return self.prompts[span.start - self.start : span.end - self.start]
+        """Open sessions on a fresh route over [start, end) and replay `history` into them (client.route_opening)."""
+        return await open_route(self, start, end, history)
 
     @staticmethod
     async def _close_spans(spans: Sequence[SpanSession]) -> None:
-        await asyncio.gather(*(s.close() for s in spans), return_exceptions=True)
-
-
-def _done_pass(hidden: torch.Tensor, position: int, last: int | None, output: torch.Tensor) -> Pass:
-    """A step `submit` ran at once (the session could not keep it in flight), as a handle already answered."""
-    loop = asyncio.get_running_loop()
-    result = loop.create_future()
-    result.set_result(output)
-    return Pass(hidden, position, last, result, [])
+        await close_spans(spans)

@@ -12,7 +12,6 @@ prompt-tuning prompts, and the spot checks' rewinds. Moving hidden states throug
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Collection
 from dataclasses import replace
@@ -21,7 +20,7 @@ import torch
 
 from corolla.client.chain import Chain
 from corolla.client.event_loop import run_sync
-from corolla.client.pass_pipe import Pass
+from corolla.client.pass_pipe import Pass, answered
 from corolla.client.routing import Span
 from corolla.client.sequence_manager import SequenceManager
 from corolla.client.session_state import CallReading, SessionState
@@ -313,7 +312,7 @@ class InferenceSession:
         self._check_step(hidden, None, last)
         position = self.position
         if not self.can_pipeline:
-            return _done_pass(hidden, position, last, await self.step_async(hidden, None, last))
+            return answered(hidden, position, last, await self.step_async(hidden, None, last))
         handle = await self.chain.submit(hidden, position, last)
         self._state.advance(hidden.shape[1], None)
         self.steps += 1
@@ -403,9 +402,3 @@ class InferenceSession:
             except Exception:  # interpreter shutdown: the servers time the session out
                 pass
 
-
-def _done_pass(hidden: torch.Tensor, position: int, last: int | None, output: torch.Tensor) -> Pass:
-    """A step `submit` ran at once (the session could not keep it in flight), as a handle already answered."""
-    result = asyncio.get_running_loop().create_future()
-    result.set_result(output)
-    return Pass(hidden, position, last, result, [])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,13 @@ class Pass:
     @property
     def end(self) -> int:
         return self.position + self.hidden.shape[1]
+
+
+def answered(hidden: torch.Tensor, position: int, last: int | None, output: torch.Tensor) -> Pass:
+    """A step that ran at once (not kept in flight), as a handle already answered with `output`."""
+    result: Future = Future()
+    result.set_result(output)
+    return Pass(hidden, position, last, result, [])  # type: ignore[arg-type]
 
 
 class PassPipe:

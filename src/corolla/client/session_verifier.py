@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from corolla.client.inference_session import InferenceSession
-from corolla.client.pass_pipe import Pass
+from corolla.client.pass_pipe import Pass, answered
 
 
 class SessionVerifier:
@@ -109,7 +109,7 @@ class SessionVerifier:
         if not in_flight or not self.session.can_pipeline or mask is not None:  # a step (first pass, padding...)
             position = self.session.position
             hidden = self.session.feed(embeddings, mask, last=answer)
-            return _answered(embeddings, position, answer, hidden)
+            return answered(embeddings, position, answer, hidden)
         return self.session.submit(embeddings, last=answer)
 
     def logits(self, handle: Pass) -> torch.Tensor:
@@ -121,11 +121,3 @@ class SessionVerifier:
         """The sequence kept the whole `draft` of the oldest pass in flight, and the passes after it go on."""
         self.seen += draft.shape[1]
 
-
-def _answered(hidden: torch.Tensor, position: int, last: int, output: torch.Tensor) -> Pass:
-    """A pass run as a plain step, as a handle already answered (no event loop needed to read it)."""
-    from concurrent.futures import Future
-
-    result: Future = Future()
-    result.set_result(output)
-    return Pass(hidden, position, last, result, [])  # type: ignore[arg-type]
