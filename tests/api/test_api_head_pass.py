@@ -17,20 +17,20 @@ from corolla.cli.demo_cmd import demo_model_path
 
 
 class Head:
-    """The client's head (final norm + LM head, embeddings) of a local HF model; `pad` extra logit columns stand
-    for a checkpoint whose head is wider than its embedding table."""
+    """The client model's head surface (`lm_logits`: final norm + LM head, `embed`) over a local HF model; `pad`
+    extra logit columns stand for a checkpoint whose head is wider than its embedding table."""
 
     def __init__(self, hf: LlamaForCausalLM, pad: int = 0):
         self.hf, self.pad = hf, pad
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.hf.lm_head(self.hf.model.norm(hidden))  # (B, T, V)
         if self.pad:
             out = torch.cat([out, torch.full((*out.shape[:-1], self.pad), 1e4)], dim=-1)  # padding that would win
         return out
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.hf.model.embed_tokens(ids)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf.model.embed_tokens(input_ids)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,9 @@ def tokenizer():
 
 
 def model_of(hf: LlamaForCausalLM, pad: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(head=Head(hf, pad), config=hf.config, dtype=torch.float32, device=torch.device("cpu"),
-                           get_input_embeddings=hf.get_input_embeddings)
+    head = Head(hf, pad)
+    return SimpleNamespace(lm_logits=head.lm_logits, embed=head.embed, config=hf.config, dtype=torch.float32,
+                           device=torch.device("cpu"), get_input_embeddings=hf.get_input_embeddings)
 
 
 def stream(tokenizer, vocab: int, index: int = 0, **settings) -> GenerationStream:

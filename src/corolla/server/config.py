@@ -222,8 +222,9 @@ class ServerConfig:
             "(fail), has its stream dropped (drop) or never gets an answer (stall); or every output is subtly wrong, "
             "scaled by 1.01 (corrupt); or, as a hostile server: corrupts only what it pushes (corrupt-push), only "
             "what checkers ask (lie-to-checkers), answers NaN (nan), announces nf4 from the start and adds a bias "
-            "(false-quant)",
-            choices=("fail", "drop", "stall", "corrupt", "corrupt-push", "lie-to-checkers", "nan", "false-quant"),
+            "(false-quant); or answers every step honestly, 0.1 s late (slow)",
+            choices=("fail", "drop", "stall", "corrupt", "corrupt-push", "lie-to-checkers", "nan", "false-quant",
+                     "slow"),
         ),
     )
 

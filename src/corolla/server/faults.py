@@ -1,4 +1,4 @@
-"""Fault injection for failure tests: `corolla serve ... --inject-fault fail|drop|stall|corrupt`, armed by SIGUSR1.
+"""Fault injection for failure tests: `corolla serve ... --inject-fault fail|drop|stall|corrupt|...`, armed by SIGUSR1.
 
 `FaultInjector` wraps the server's `Compute` (server.scheduling). A server started without --inject-fault has no
 wrapper at all, and until SIGUSR1 arms it the wrapper passes every call through. Once armed:
@@ -10,6 +10,8 @@ wrapper at all, and until SIGUSR1 arms it the wrapper passes every call through.
            output with its first half of hidden features scaled by CORRUPT_SCALE (1.01). The stream, the cache and
            the timing stay as they were, so only checking the numbers (spot checks against another server) can
            tell. Backward passes are left alone.
+- slow:    every inference step is answered honestly, SLOW_STEP_SECONDS (0.1 s) late: a slow server, so that a test
+           can keep a client's steps in flight on loopback whatever the machine's load.
 
 The hostile modes below attack the trust model (docs/security.md) rather than fail; each is a test's liar:
 
@@ -43,7 +45,8 @@ from corolla.server.validation import RequestError
 
 logger = logging.getLogger(__name__)
 
-FAULT_MODES = ("fail", "drop", "stall", "corrupt", "corrupt-push", "lie-to-checkers", "nan", "false-quant")
+FAULT_MODES = ("fail", "drop", "stall", "corrupt", "corrupt-push", "lie-to-checkers", "nan", "false-quant", "slow")
+SLOW_STEP_SECONDS = 0.1
 CORRUPT_SCALE = 1.01
 FALSE_QUANT_SCALE = 1.1  # moves a span's output by ~7e-2 relative: far past float32's tolerance, inside nf4's
 
@@ -94,6 +97,9 @@ class FaultInjector:
             return torch.full_like(await self.inner.step(session, step, plan), float("nan"))
         if self.mode == "false-quant":
             return corrupted(await self.inner.step(session, step, plan), FALSE_QUANT_SCALE)
+        if self.mode == "slow":
+            await asyncio.sleep(SLOW_STEP_SECONDS)
+            return await self.inner.step(session, step, plan)
         logger.warning("injecting fault %r into an inference step", self.mode)
         if self.mode == "fail":
             raise RequestError(ErrorCode.INTERNAL, "injected fault")
