@@ -44,7 +44,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
@@ -196,7 +196,7 @@ class BatchedEngine:
             active.group = sizes.index(min(sizes))
             self._active[active.handle] = active
             self.metrics.active_streams.set(len(self._active))
-            active.task = self._loop.create_task(self._prefill(active))
+            active.task = self._loop.create_task(self._beside(active, lambda: self._prefill(active)))
 
     def _admit_waiting(self) -> None:
         while self._waiting and len(self._active) < self.config.max_streams:
@@ -262,25 +262,15 @@ class BatchedEngine:
             logger.debug("closing a session failed: %s", e)
 
     # ------------------------------------------------------------------ client loop: sessions
-    async def _prefill(self, active: _Active) -> None:
-        stream = active.stream
-        prompt = stream.prompt_ids
-        needed = len(prompt) + stream.params.max_tokens
+    async def _beside(self, active: _Active, work: Callable[[], Awaitable[torch.Tensor | None]]) -> None:
+        """Run a stream's `work()` beside the decode steps (its prefill, a rewind): the last hidden state of what it
+        returns is the stream's next head input (None: the stream is done); an error ends this stream alone; either
+        way the engine's loop is woken. (A callable, not a coroutine: a task cancelled before it starts leaves no
+        coroutine unawaited.)"""
         try:
-            kept = self._idle.take(prompt, needed, time.monotonic(), active.owner)
-            self.metrics.idle_sessions.set(len(self._idle))
-            if kept is not None:
-                session, reused = kept
-                active.session = session
-                session.rollback(reused)
-                stream.cached_tokens = reused
-                self.metrics.prefix_reuse_hits.inc()
-                self.metrics.reused_tokens.inc(reused)
-                logger.debug("continuing a kept session: %d of %d prompt tokens reused", reused, len(prompt))
-                output = await self._feed(session, prompt[reused:])
-            else:
-                output = await self._open(active, prompt, needed)
-            active.hidden = output[0, -1]
+            output = await work()
+            if output is not None:
+                active.hidden = output[0, -1]
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -288,6 +278,23 @@ class BatchedEngine:
         finally:
             if self._wake is not None:
                 self._wake.set()
+
+    async def _prefill(self, active: _Active) -> torch.Tensor:
+        stream = active.stream
+        prompt = stream.prompt_ids
+        needed = len(prompt) + stream.params.max_tokens
+        kept = self._idle.take(prompt, needed, time.monotonic(), active.owner)
+        self.metrics.idle_sessions.set(len(self._idle))
+        if kept is None:
+            return await self._open(active, prompt, needed)
+        session, reused = kept
+        active.session = session
+        session.rollback(reused)
+        stream.cached_tokens = reused
+        self.metrics.prefix_reuse_hits.inc()
+        self.metrics.reused_tokens.inc(reused)
+        logger.debug("continuing a kept session: %d of %d prompt tokens reused", reused, len(prompt))
+        return await self._feed(session, prompt[reused:])
 
     async def _open(self, active: _Active, prompt: list[int], needed: int) -> torch.Tensor:
         """Open a session for `needed` tokens and prefill the prompt; returns the prefill's output (1, T, H).
@@ -377,7 +384,7 @@ class BatchedEngine:
             for a in [a for a in ready if _rewind_pending(a)]:  # a spot check convicted a server of its route
                 ready.remove(a)
                 a.hidden, a.decoding = None, False
-                a.task = self._loop.create_task(self._checked(a, None))
+                a.task = self._loop.create_task(self._beside(a, lambda a=a: self._checked(a, None)))
             if not ready:  # cancelled or rewinding meanwhile
                 continue
             hidden = torch.stack([a.hidden for a in ready])  # (R, H)
@@ -401,7 +408,7 @@ class BatchedEngine:
                     continue
                 if event.finish_reason is not None and _checks(a) is not None:
                     a.decoding = False
-                    a.task = self._loop.create_task(self._checked(a, event))
+                    a.task = self._loop.create_task(self._beside(a, lambda a=a, event=event: self._checked(a, event)))
                 elif not self._post(a, event):
                     continue
                 elif event.finish_reason is not None:
@@ -426,31 +433,22 @@ class BatchedEngine:
             active.handle.post(ready)
         return True
 
-    async def _checked(self, active: _Active, last: StreamEvent | None) -> None:
+    async def _checked(self, active: _Active, last: StreamEvent | None) -> torch.Tensor | None:
         """Spot checks of the stream's session (api.rewinds). With its `last` event: wait (up to verify_wait) for the
         checks in flight, then post its events and finish, unless a check found a liar. With a liar found: generate
         again from where it began lying (the stream's next hidden state comes back for the head)."""
         session = active.session
         assert session is not None and session.checks is not None
-        try:
-            if last is not None:
-                active.held.add(last)  # posted once the checks are done
-                await session.checks.drain(session.config.verify_wait)
-                if session.checks.rewind is None:
-                    for event in active.held.release(None, final=True):
-                        active.handle.post(event)
-                    self._finish(active)
-                    return
-            self.metrics.rewinds.inc()
-            output = await rewind_choice(session, active.stream, active.held, self._in_head, self._feed)
-            active.hidden = output[0, -1]
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._fail(active, e)
-        finally:
-            if self._wake is not None:
-                self._wake.set()
+        if last is not None:
+            active.held.add(last)  # posted once the checks are done
+            await session.checks.drain(session.config.verify_wait)
+            if session.checks.rewind is None:
+                for event in active.held.release(None, final=True):
+                    active.handle.post(event)
+                self._finish(active)
+                return None
+        self.metrics.rewinds.inc()
+        return await rewind_choice(session, active.stream, active.held, self._in_head, self._feed)
 
     def _in_head(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
         """Run fn(*args) on the head thread (a stream's text work)."""

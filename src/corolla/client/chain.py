@@ -33,7 +33,7 @@ import torch
 from corolla.client.config import ClientConfig
 from corolla.client.failover_plan import culprit, repair_plan
 from corolla.client.pass_pipe import Pass, PassPipe, PipeFailed, answered
-from corolla.client.pipelined_prefill import ChunkFailed, chunk_tokens, pipelined_push
+from corolla.client.pipelined_prefill import chunk_tokens, pipelined_push
 from corolla.client.push_route import can_push, links_to_fix
 from corolla.client.route_opening import close_spans, open_route
 from corolla.client.sequence_manager import SequenceManager
@@ -191,12 +191,7 @@ class Chain:
             todo = pipe.unanswered()
             await pipe.close()
             logger.info("steps in flight failed at span %d: %s; redoing %d", failed.index, failed.error, len(todo))
-            spans = self.spans
-            assert spans is not None
-            await asyncio.gather(
-                *(s.set_push(None, None, self.config.connect_timeout) for s in spans), return_exceptions=True
-            )
-            await self._blame(failed.index, failed.error, todo[0].position if todo else self.state.position)
+            await self._unlink_and_blame(failed, todo[0].position if todo else self.state.position)
             for handle in todo:
                 if handle.cancelled:
                     continue
@@ -319,17 +314,24 @@ class Chain:
         assert spans is not None
         try:
             inputs = await pipelined_push(spans, hidden, position, mask, tokens, self.config.request_timeout, last)
-        except ChunkFailed as failed:
+        except PipeFailed as failed:
             logger.info("pipelined step failed at span %d: %s; relaying it whole", failed.index, failed.error)
-            await asyncio.gather(
-                *(s.set_push(None, None, self.config.connect_timeout) for s in spans), return_exceptions=True
-            )
-            await self._blame(failed.index, failed.error, position)
+            await self._unlink_and_blame(failed, position)
             return await self._relay(hidden, position, mask, None, 0, last=last)
         self.exchanges += 1
         self._accept(spans, inputs, position, mask, None, position + hidden.shape[1])
         self.pushed_steps += 1
         return inputs[-1]
+
+    async def _unlink_and_blame(self, failed: PipeFailed, position: int) -> None:
+        """After steps in flight failed: cut every push link (the steps still on their way are refused from then on),
+        then replace the span at fault, if any (`_blame`), replaying its inputs before `position`."""
+        spans = self.spans
+        assert spans is not None
+        await asyncio.gather(
+            *(s.set_push(None, None, self.config.connect_timeout) for s in spans), return_exceptions=True
+        )
+        await self._blame(failed.index, failed.error, position)
 
     async def _blame(self, index: int, error: Exception, position: int) -> None:
         """After spans[index] failed a pushed step: replace whoever is at fault (the pusher when its own receipt

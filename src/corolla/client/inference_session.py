@@ -309,10 +309,10 @@ class InferenceSession:
 
     async def submit_async(self, hidden: torch.Tensor, last: int | None = None) -> Pass:
         """`submit`, awaited on the client's event loop."""
-        self._check_step(hidden, None, last)
         position = self.position
-        if not self.can_pipeline:
+        if not self.can_pipeline:  # step_async checks the step
             return answered(hidden, position, last, await self.step_async(hidden, None, last))
+        self._check_step(hidden, None, last)
         handle = await self.chain.submit(hidden, position, last)
         self._state.advance(hidden.shape[1], None)
         self.steps += 1

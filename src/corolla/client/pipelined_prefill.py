@@ -14,7 +14,7 @@ Each chunk is an ordinary push step (servers take a session's steps in order, ea
 it through the KV cache), so the result equals the one-shot prefill within float tolerance. The client sends every
 chunk without waiting, reads every span's answers concurrently (so no server stalls on a full stream), checks each
 as a push step (client.push_audit), and records the span's inputs only once all chunks are in. Any failure is the
-caller's to handle: nothing is recorded, and the exception says which span failed (`ChunkFailed`).
+caller's to handle: nothing is recorded, and the exception says which span failed (`PipeFailed`).
 
 `chunk_tokens` (auto) aims at CHUNK_BYTES per chunk on the wire: big enough that a chunk's transfer dwarfs the
 per-step overhead (a few ms), small enough for the pipeline to fill; a prompt under two chunks is sent one-shot.
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from corolla.client.pass_pipe import PipeFailed
 from corolla.client.span_session import SpanSession, pushed_by
 from corolla.protocol.codecs import encoded_bytes
 
@@ -47,15 +48,6 @@ def chunk_tokens(batch: int, length: int, hidden_size: int, codec: str, dtype: t
     return tokens if length >= 2 * tokens else None
 
 
-class ChunkFailed(Exception):
-    """A chunk's answer from spans[index] failed with `error` (BadAnswer, PushFailed, PeerUnavailable, RemoteError)."""
-
-    def __init__(self, index: int, error: Exception):
-        super().__init__(f"span {index}: {error}")
-        self.index = index
-        self.error = error
-
-
 @dataclass(frozen=True)
 class Chunk:
     start: int  # offset of the chunk in the step
@@ -68,7 +60,7 @@ async def pipelined_push(spans: list[SpanSession], hidden: torch.Tensor, positio
     """Run hidden (B, T, H) at `position` through the push route `spans` in chunks of `tokens`; returns every span's
     input and the last output, [x_0, x_1, ..., x_n] each (B, T, H), except the last output: only its last `last`
     positions when given (the last server sends nothing else back). `mask` (B, position + T) or None. Raises
-    ChunkFailed (nothing recorded; in-flight chunks may still land on servers: the caller unlinks and redoes)."""
+    PipeFailed (nothing recorded; in-flight chunks may still land on servers: the caller unlinks and redoes)."""
     length = hidden.shape[1]
     keep = length if last is None else last  # the last server answers only positions [length - keep, length)
     chunks = [Chunk(a, min(length, a + tokens)) for a in range(0, length, tokens)]
@@ -89,7 +81,7 @@ async def pipelined_push(spans: list[SpanSession], hidden: torch.Tensor, positio
                                               chunk_mask(chunk), None, push=True, answer=answer(chunk))
                 sent[k].set_result(step_id)
         except Exception as e:
-            raise ChunkFailed(0, e) from e
+            raise PipeFailed(0, e) from e
 
     async def read(i: int) -> None:
         span = spans[i]
@@ -101,7 +93,7 @@ async def pipelined_push(spans: list[SpanSession], hidden: torch.Tensor, positio
                 out = await span.receive(x, timeout, pushed, position + chunk.start, None, step_id=step_id,
                                          answer=answer(chunk) if i == len(spans) - 1 else None)
             except Exception as e:
-                raise ChunkFailed(i, e) from e
+                raise PipeFailed(i, e) from e
             answers[i][k].set_result(out)
 
     tasks = [asyncio.ensure_future(send()), *(asyncio.ensure_future(read(i)) for i in range(len(spans)))]

@@ -102,10 +102,10 @@ class PipeDepth:
 
 @dataclass
 class PipeStats:
-    passes: int = 0  # passes sent
+    """What one decode did, as its loop saw it (the session counts the same on the wire: cancelled_steps...)."""
+
     cancelled: int = 0  # passes cancelled (their tokens were wrong)
     most_in_flight: int = 0
-    in_flight_total: int = 0  # sum over sent passes of the passes in flight once it was sent (for the mean)
 
 
 @dataclass(eq=False)
@@ -159,9 +159,7 @@ def pipelined_decode(
             speculated = torch.cat([speculated, draft.tokens], dim=1)
             if in_flight:
                 depth.draft_times.append(time.perf_counter() - begin)
-            stats.passes += 1
             stats.most_in_flight = max(stats.most_in_flight, len(inflight))
-            stats.in_flight_total += len(inflight)
         current = inflight.popleft()
         draft = current.draft
         k = draft.tokens.shape[1]
