@@ -129,7 +129,7 @@ class ServerProbe:
     def info(self, proc: LocalProcess, timeout: float = 10.0):
         """The server's InfoReply (sessions, free and total cache), straight from it."""
         from corolla.client.event_loop import run_sync
-        from corolla.client.server_info import request_info
+        from corolla.client.swarm.server_info import request_info
         from corolla.dht.node import dial
 
         async def ask():

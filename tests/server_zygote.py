@@ -27,7 +27,7 @@ import threading
 from typing import IO
 
 # what `corolla serve` (with adapters or quantization), `corolla api` and `corolla monitor` import on their way
-PRELOAD = ("corolla.cli.main", "corolla.server.server", "corolla.server.block_loading", "corolla.models", "peft",
+PRELOAD = ("corolla.cli.main", "corolla.server.server", "corolla.server.loading.blocks", "corolla.models", "peft",
            "bitsandbytes", "uvicorn", "corolla.api.app", "corolla.monitor.app")
 
 

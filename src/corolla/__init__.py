@@ -14,11 +14,11 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 def __getattr__(name: str):  # lazy: importing corolla must stay cheap and side-effect free
     if name in ("AutoDistributedModelForCausalLM", "DistributedModelForCausalLM"):
-        from corolla.client import model
+        from corolla.client.model import causal_lm
 
-        return getattr(model, name)
+        return getattr(causal_lm, name)
     if name in ("AutoDistributedModelForSequenceClassification", "DistributedModelForSequenceClassification"):
-        from corolla.client import classification
+        from corolla.client.model import classification
 
         return getattr(classification, name)
     if name == "ClientConfig":

@@ -163,7 +163,7 @@ def wait_for(predicate, timeout: float, interval: float = 0.2):
 def free_cache(api_swarm):
     """free_cache(peer_id) -> (free, total) cache tokens, asked of the server itself (rpc_info)."""
     from corolla.client.event_loop import run_sync
-    from corolla.client.server_info import request_info
+    from corolla.client.swarm.server_info import request_info
     from corolla.dht import create_swarm_node
 
     node = run_sync(create_swarm_node(api_swarm.peers, client_mode=True))

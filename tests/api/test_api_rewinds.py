@@ -15,7 +15,7 @@ from corolla.api.rewinds import HeldEvents, released_tokens, rewind_plan
 from corolla.api.sampling import SamplingParams, make_generator, sample_rows
 from corolla.api.stream import GenerationStream, StreamEvent
 from corolla.cli.demo_cmd import demo_model_path
-from corolla.client.verification import Rewind
+from corolla.client.trust.verification import Rewind
 
 VOCAB = 4096
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from corolla.models import get_family
 from corolla.models.generic import GenericBlock, GenericClientHead, cache_length, ring_slots
-from corolla.server.backward import backward_through
+from corolla.server.compute.forward_backward import backward_through
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SLIDING = ["qwen3_moe-window4", "gemma2", "gemma3_text", "phi3-window4", "cohere2", "gpt_oss", "olmo3", "exaone4"]
@@ -197,7 +197,7 @@ def _hf_embedding_gradient(reference: nn.Module, head: nn.Module, ids: Tensor, w
 
 @pytest.mark.parametrize("case_id", ["qwen3_moe", "gemma2", "granite", "gpt_oss"])
 def test_gradient_through_generic_blocks_matches_hf_autograd(case_id: str) -> None:
-    """rpc_backward's math (server.backward.backward_through) over the generic blocks, against autograd through HF."""
+    """rpc_backward's math (server.compute.forward_backward.backward_through) over the generic blocks, against autograd through HF."""
     reference, blocks, head = generic_case(case_id)
     ids = token_ids(length=9)
     weights = torch.randn(2, 9, reference.config.vocab_size, generator=torch.Generator().manual_seed(3))

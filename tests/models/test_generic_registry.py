@@ -137,7 +137,7 @@ def test_the_readme_lists_exactly_what_corolla_models_prints() -> None:
 
 
 def test_tensor_parallelism_is_refused_for_the_generic_backend() -> None:
-    from corolla.server.tensor_parallel import check_tensor_parallel
+    from corolla.server.compute.tensor_parallel import check_tensor_parallel
 
     config = case_config("qwen3_moe")
     with pytest.raises(ValueError, match="tensor parallelism is not supported for generic"):

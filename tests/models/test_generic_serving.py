@@ -1,7 +1,7 @@
 """What a server does with blocks, on generic blocks: cache allocation (rings for sliding-window layers), padded
 batches, batched decode beside a padded session, beam reordering (sessions past the window: on rings), backward
-(server.padding, server.backend, server.backward), --quant int8/nf4 (models.quantization) and peft LoRA adapters
-(server.adapters, against peft itself)."""
+(server.compute.padding, server.compute.block_stack, server.compute.forward_backward), --quant int8/nf4 (models.quantization) and peft LoRA adapters
+(server.loading.adapters, against peft itself)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from test_lora import layer_io, save_adapter
 
 from corolla.models import get_family
 from corolla.models.lora import LoraLinear, using_adapter
-from corolla.server.adapters import attach_adapters
-from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.padding import masked_inference_step
+from corolla.server.loading.adapters import attach_adapters
+from corolla.server.compute.block_stack import BlockStack, KVLayout
+from corolla.server.compute.padding import masked_inference_step
 from corolla.models.quantization import estimate_block_bytes, quantize_block, quantized_linear_count, resident_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -2,7 +2,7 @@
 
 Each case builds a tiny HF model, wraps it with ``peft.get_peft_model``, draws random nonzero ``lora_B``
 weights (peft initialises B to zero, which would make every adapter a no-op) and ``save_pretrained``s the
-adapter; our blocks load the base weights and the adapter through ``corolla.server.adapters``.
+adapter; our blocks load the base weights and the adapter through ``corolla.server.loading.adapters``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from transformers import (
 
 from corolla.models import get_family
 from corolla.models.lora import LoraLinear, using_adapter
-from corolla.server.adapters import attach_adapters, load_lora_adapter
+from corolla.server.loading.adapters import attach_adapters, load_lora_adapter
 
 TINY = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=3, max_position_embeddings=64)
 # Whole-stack logits (3 blocks and the head, with updates up to 8x scaled) accumulate more float32 rounding than

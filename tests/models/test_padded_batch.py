@@ -12,8 +12,8 @@ from transformers import (
 )
 
 from corolla.models import get_family
-from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.padding import (
+from corolla.server.compute.block_stack import BlockStack, KVLayout
+from corolla.server.compute.padding import (
     check_hypo_ids,
     check_mask,
     check_prompt_slots,

@@ -77,7 +77,7 @@ def test_ragged_rejects_negative_positions_and_attend_rejects_positions_outside_
 
 @torch.no_grad()
 def test_server_decode_batch_equals_each_step_alone():
-    from corolla.server.backend import BlockStack, KVLayout
+    from corolla.server.compute.block_stack import BlockStack, KVLayout
 
     config = FAMILY_CONFIGS["qwen3"]
     stack = BlockStack(blocks_of(config), 0, 64, KVLayout(*get_family(config).kv_layout(config)), torch.float32,

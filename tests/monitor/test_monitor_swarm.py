@@ -14,7 +14,7 @@ import torch
 
 from conftest import TestSwarm, make_llama_checkpoint, run_corolla, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
-from corolla.client.connection import Connection
+from corolla.client.swarm.connection import Connection
 from corolla.dht import create_swarm_node
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import RemoteError

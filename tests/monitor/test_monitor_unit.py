@@ -26,9 +26,9 @@ from corolla.monitor.source import SwarmMonitor
 from corolla.monitor.tracker import PeerTracker
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
-from corolla.server.adapters import AdapterCalls
-from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.compute import ComputeWorker
+from corolla.server.compute.adapter_calls import AdapterCalls
+from corolla.server.cache.allocator import CacheAllocator
+from corolla.server.compute.worker import ComputeWorker
 from corolla.server.metrics import ServerMetrics, step_path
 
 
@@ -324,8 +324,8 @@ def test_the_metrics_exporter_on_a_taken_port_is_a_clear_error():
 
 def test_every_step_path_names_a_real_compute_function():
     """The metrics tell paths apart by function name: renaming one of these must fail here, not go unmeasured."""
-    from corolla.server import padding
-    from corolla.server.backend import BlockStack
+    from corolla.server.compute import padding
+    from corolla.server.compute.block_stack import BlockStack
     from corolla.server.metrics import STEP_PATHS
 
     for name in STEP_PATHS:

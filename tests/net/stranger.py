@@ -14,7 +14,7 @@ import sys
 
 
 async def attempt(p2p, peer_id: str, verb: str, message) -> str:
-    from corolla.client.connection import Connection
+    from corolla.client.swarm.connection import Connection
 
     try:
         connection = await Connection.open(p2p, peer_id, verb, timeout=20.0)

@@ -8,7 +8,7 @@ Hosts and one-way delays (each host's link to the switch, plus one pair override
     client --25 ms-- C
 
 Every server announces the same throughput, so compute costs the same on both routes (4 blocks at 100 tokens/s:
-40 ms) and the network decides (client.routing's costs, in round trips the client and B measure):
+40 ms) and the network decides (client.swarm.routing's costs, in round trips the client and B measure):
 - relayed, every span costs a client round trip: A alone 80 ms; B then C 50 + 50 ms. The relay client takes A.
 - pushed, a route costs one-way legs: A alone 40 + 40 ms; client -> B 25, B -> C ~1 (half what B announces),
   C -> client 25 ms: ~51 ms. The push client takes B then C, but only once B announces its round trip to C:

@@ -39,7 +39,7 @@ TIMEOUT = {"error:timeout"}
 ANSWER = {"inference": "ok:session_opened", "forward": "ok:forward_result", "backward": "ok:backward_result",
           "info": "ok:info_reply", "probe": "ok:probe_reply"}
 VERBS = tuple(ANSWER)
-# a server answers one bandwidth probe per peer at a time (server.peer_limits), and the fuzz is one peer: a probe
+# a server answers one bandwidth probe per peer at a time (server.rpc.peer_limits), and the fuzz is one peer: a probe
 # stream may find another case's probe running
 PEER_LIMITED = {"probe": "error:peer_limit"}
 

@@ -25,10 +25,10 @@ from transformers import LlamaForCausalLM
 
 from conftest import NamedSwarm, start_named_servers, wait_until
 from corolla import AutoDistributedModelForCausalLM
-from corolla.client.server_info import request_info
+from corolla.client.swarm.server_info import request_info
 from corolla.dht.node import SwarmNode, create_swarm_node
 from corolla.protocol.messages import InfoReply
-from corolla.server.handler import LINGER_TIMEOUT
+from corolla.server.rpc.handler import LINGER_TIMEOUT
 from raw_frames import fd_targets, open_fds, process_threads
 
 SESSION_TIMEOUT = 3.0  # seconds: --session-timeout of the hostile swarm's servers (also bounds a silent new stream)

@@ -18,9 +18,9 @@ from transformers import LlamaForCausalLM
 from conftest import TestSwarm, make_llama_checkpoint, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
 from corolla.client.config import ClientConfig
-from corolla.client.connection import Connection
+from corolla.client.swarm.connection import Connection
 from corolla.client.event_loop import run_sync
-from corolla.client.server_info import request_info
+from corolla.client.swarm.server_info import request_info
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import MissingBlocks, RemoteError
 from corolla.protocol.messages import BlockRange, OpenSession

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from corolla import AutoDistributedModelForCausalLM
-from corolla.client.connection import Connection
+from corolla.client.swarm.connection import Connection
 from corolla.client.event_loop import run_sync
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import PeerUnreachable

@@ -20,10 +20,10 @@ from transformers import LlamaForCausalLM
 from conftest import SERVER_ARGS, NamedSwarm, TestSwarm, start_named_servers, wait_until
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.event_loop import run_sync
-from corolla.client.server_info import request_info
+from corolla.client.swarm.server_info import request_info
 from corolla.protocol.errors import AllocationFailed, RemoteError
 from corolla.protocol.messages import InfoReply
-from corolla.server.network import measure_peer
+from corolla.server.presence.network import measure_peer
 
 NUM_SESSIONS = 8
 NEW_TOKENS = 20

@@ -15,9 +15,9 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import corolla
 from corolla import AutoDistributedModelForCausalLM
-from corolla.client.connection import Connection
+from corolla.client.swarm.connection import Connection
 from corolla.client.event_loop import run_sync
-from corolla.client.server_info import request_info
+from corolla.client.swarm.server_info import request_info
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import RemoteError
 from corolla.protocol.messages import BlockRange, InferenceStep, OpenSession, SessionOpened

@@ -12,9 +12,9 @@ import pytest
 
 from conftest import start_named_servers, wait_until
 from corolla.cli.local_swarm import LocalSwarm
-from corolla.client.server_info import request_info
+from corolla.client.swarm.server_info import request_info
 from corolla.dht.node import create_swarm_node
-from corolla.server.network import measure_peer
+from corolla.server.presence.network import measure_peer
 from corolla.testing.server_attacks import (
     cache_queue_attack,
     flood_attack,

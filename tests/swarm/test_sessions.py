@@ -2,7 +2,7 @@
 
 The seed's "Generate With Session" chat loop is run as written (greedy instead of sampling): every turn passes the
 whole conversation, re-tokenized, and the session sends the servers only what they do not hold. Petals-style
-callers pass only new tokens. Each rule of client.session_state is checked against HF `generate` on the context
+callers pass only new tokens. Each rule of client.session.session_state is checked against HF `generate` on the context
 the rule implies, and by counting the positions the session sends.
 """
 
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from corolla import AutoDistributedModelForCausalLM
 from corolla.client.event_loop import run_sync
-from corolla.client.inference_session import InferenceSession
+from corolla.client.session.inference_session import InferenceSession
 
 PENALTY = 1.2  # the seed's repetition_penalty: it reads the whole context, so a wrong context shows
 

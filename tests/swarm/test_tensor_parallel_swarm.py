@@ -9,7 +9,7 @@ from transformers import LlamaForCausalLM
 
 from corolla import AutoDistributedModelForCausalLM
 from corolla.client.event_loop import run_sync
-from corolla.client.server_info import request_info
+from corolla.client.swarm.server_info import request_info
 
 
 @pytest.fixture(scope="module")

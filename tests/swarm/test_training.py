@@ -17,9 +17,9 @@ from corolla import (
     AutoDistributedModelForCausalLM,
     AutoDistributedModelForSequenceClassification,
 )
-from corolla.client.connection import Connection
+from corolla.client.swarm.connection import Connection
 from corolla.client.event_loop import run_sync
-from corolla.client.remote_autograd import RemoteBlocks
+from corolla.client.swarm.remote_blocks import RemoteBlocks
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import RemoteError
 from corolla.protocol.messages import BackwardRequest, BlockRange

@@ -14,12 +14,12 @@ import torch
 from transformers import LlamaConfig
 
 from corolla.client.config import ClientConfig
-from corolla.client.remote_autograd import RemoteBlocks, chunk_sizes
-from corolla.client.routing import Span
+from corolla.client.swarm.remote_blocks import RemoteBlocks, chunk_sizes
+from corolla.client.swarm.routing import Span
 from corolla.models.llama import LlamaBlock
 from corolla.protocol.errors import PeerUnavailable
-from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.backward import (
+from corolla.server.compute.block_stack import BlockStack, KVLayout
+from corolla.server.compute.forward_backward import (
     add_prompt,
     check_grad_output,
     check_prompts,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from corolla.client.beam_search import BeamSettings, beam_search
-from corolla.client.generation_settings import HF_DEFAULTS, logits_processors, stopping_criteria
+from corolla.client.decoding.beam_search import BeamSettings, beam_search
+from corolla.client.decoding.settings import HF_DEFAULTS, logits_processors, stopping_criteria
 
 PROMPTS = torch.tensor([[1, 17, 42, 99, 5], [1, 8, 13, 21, 34]])
 NEW = 12

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from corolla.server.block_selection import choose_best_blocks, parse_block_range, should_move
+from corolla.server.presence.block_selection import choose_best_blocks, parse_block_range, should_move
 
 
 def test_parse_block_range_checks_bounds():

@@ -1,5 +1,5 @@
 """The KV-cache queue: first fit in arrival order with an aging bound, and per-peer limits. The pure decisions
-(server.cache_queue) with exact grant orders on plain data, then the allocator that runs them in an event loop."""
+(server.cache.queue) with exact grant orders on plain data, then the allocator that runs them in an event loop."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.cache_queue import CacheRequest, grants, peer_limit, refusal
+from corolla.server.cache.allocator import CacheAllocator
+from corolla.server.cache.queue import CacheRequest, grants, peer_limit, refusal
 
 
 def queue(*requests: tuple[str, str, int, float]) -> list[CacheRequest]:

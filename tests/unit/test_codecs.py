@@ -91,7 +91,7 @@ def test_a_codec_on_a_mask_or_an_unknown_codec_is_refused():
 
 
 def test_a_client_sees_only_the_servers_that_take_its_codec():
-    from corolla.client.routing import with_codec
+    from corolla.client.swarm.routing import with_codec
     from corolla.protocol.messages import ServerInfo, ServerState
 
     def info(codecs):

@@ -6,7 +6,7 @@ import asyncio
 import threading
 from collections import deque
 
-from corolla.server.compute import PRIORITY_FORWARD, PRIORITY_INFERENCE, ComputeWorker, Task, take_batch
+from corolla.server.compute.worker import PRIORITY_FORWARD, PRIORITY_INFERENCE, ComputeWorker, Task, take_batch
 
 
 def task(name: str, key=None, fn=None) -> Task:

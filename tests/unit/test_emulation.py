@@ -1,4 +1,4 @@
-"""Computing a span as another kind of server (server.emulation): a float32 server asked to compute as int8, nf4 or
+"""Computing a span as another kind of server (server.compute.emulation): a float32 server asked to compute as int8, nf4 or
 bfloat16 gives exactly what a server loaded that way gives, and servers that cannot emulate say so."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from transformers import LlamaConfig
 from corolla.models.llama.block import LlamaBlock
 from corolla.models.quantization import block_as_kind, quantize_block
 from corolla.protocol.messages import ComputeKind, QuantMode
-from corolla.server.backward import run_blocks
-from corolla.server.emulation import Emulator
+from corolla.server.compute.forward_backward import run_blocks
+from corolla.server.compute.emulation import Emulator
 
 CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                      num_hidden_layers=3, vocab_size=16)

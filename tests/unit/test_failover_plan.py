@@ -1,13 +1,13 @@
-"""client.failover_plan: who is at fault for a failed pushed step, decided from the error alone."""
+"""client.chain.failover_plan: who is at fault for a failed pushed step, decided from the error alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from corolla.client.failover_plan import Culprit, Repair, culprit, repair_plan
-from corolla.client.push_audit import BadAnswer, Blame
-from corolla.client.span_session import PushFailed
+from corolla.client.chain.failover_plan import Culprit, Repair, culprit, repair_plan
+from corolla.client.chain.push_audit import BadAnswer, Blame
+from corolla.client.chain.span_session import PushFailed
 from corolla.protocol.errors import ErrorCode, PeerUnavailable, RemoteError
 
 PUSH_FAILED = PushFailed("push to next failed", torch.zeros(1, 1, 4))

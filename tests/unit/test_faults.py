@@ -1,4 +1,4 @@
-"""Fault injection wraps the server's compute (server.faults): nothing changes until it is armed; then each mode
+"""Fault injection wraps the server's compute (server.rpc.faults): nothing changes until it is armed; then each mode
 misbehaves as `--inject-fault` promises."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from corolla.protocol.messages import ErrorCode
-from corolla.server.faults import (CORRUPT_SCALE, FALSE_QUANT_SCALE, FAULT_MODES, FaultInjector, Hangup,
+from corolla.server.rpc.faults import (CORRUPT_SCALE, FALSE_QUANT_SCALE, FAULT_MODES, FaultInjector, Hangup,
                                    announced_quant)
-from corolla.server.planner import Decode, Step
-from corolla.server.validation import RequestError
+from corolla.server.compute.planner import Decode, Step
+from corolla.server.errors import RequestError
 
 STEP = Step(step_id=1, hidden=torch.ones(1, 1, 4), position=0)
 PLAN = Decode((0, 1, None), 0)

@@ -27,12 +27,12 @@ from corolla.protocol.messages import (
     SessionOpened,
     StepResult,
 )
-from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.compute import ComputeWorker
+from corolla.server.compute.block_stack import BlockStack, KVLayout
+from corolla.server.cache.allocator import CacheAllocator
+from corolla.server.compute.worker import ComputeWorker
 from corolla.server.config import ServerConfig
-from corolla.server.faults import CORRUPT_SCALE
-from corolla.server.handler import ConnectionHandler, _legacy_stream, _stream_adapter
+from corolla.server.rpc.faults import CORRUPT_SCALE
+from corolla.server.rpc.handler import ConnectionHandler, _legacy_stream, _stream_adapter
 from corolla.server.metrics import ServerMetrics
 
 HIDDEN = 32

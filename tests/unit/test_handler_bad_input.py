@@ -21,7 +21,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from corolla.checkpoint import load_config
-from corolla.client.connection import Connection
+from corolla.client.swarm.connection import Connection
 from corolla.client.event_loop import run_sync
 from corolla.models import get_family
 from corolla.protocol import PROTOCOL_VERSION, rpc_handler_name
@@ -36,12 +36,12 @@ from corolla.protocol.messages import (
     StepResult,
 )
 from corolla.protocol.signing import PeerKey
-from corolla.server.backend import BlockStack
-from corolla.server.block_loading import load_stack
-from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.compute import ComputeWorker
+from corolla.server.compute.block_stack import BlockStack
+from corolla.server.loading.blocks import load_stack
+from corolla.server.cache.allocator import CacheAllocator
+from corolla.server.compute.worker import ComputeWorker
 from corolla.server.config import ServerConfig
-from corolla.server.handler import ConnectionHandler
+from corolla.server.rpc.handler import ConnectionHandler
 from memory_p2p import MemoryP2P
 
 BOTH_VERSIONS = f"peer speaks corolla protocol v1, this side speaks v{PROTOCOL_VERSION}"

@@ -9,7 +9,7 @@ import pytest
 
 from corolla.dht.identity import load_or_create_identity
 from corolla.dht.watch import next_backoff
-from corolla.server.announcer import retry_delay
+from corolla.server.presence.announcer import retry_delay
 
 
 def test_an_identity_file_is_created_private_and_gives_the_same_peer_id_every_time(tmp_path):

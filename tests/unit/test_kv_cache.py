@@ -1,4 +1,4 @@
-"""Session KV caches (server.kv_cache): what each block is handed, row views, beam reordering, ragged rows;
+"""Session KV caches (server.cache.kv): what each block is handed, row views, beam reordering, ragged rows;
 the plain layout and the tensor-parallel one behind the same interface."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from corolla.models.ragged import RaggedKV
-from corolla.server.kv_cache import PlainKV, RaggedRow, ShardedKV
+from corolla.server.cache.kv import PlainKV, RaggedRow, ShardedKV
 
 
 def numbered_plain(batch: int = 3, blocks: int = 2, start: int = 4) -> PlainKV:

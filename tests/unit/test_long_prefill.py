@@ -11,11 +11,11 @@ import torch
 from transformers import LlamaConfig
 
 from corolla.models.llama.block import LlamaBlock
-from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
+from corolla.server.compute.block_stack import BlockStack, KVLayout
+from corolla.server.cache.allocator import CacheAllocator
+from corolla.server.compute.worker import PRIORITY_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig
-from corolla.server.handler import ConnectionHandler
+from corolla.server.rpc.handler import ConnectionHandler
 
 HIDDEN = 32
 

@@ -11,12 +11,13 @@ import threading
 import pytest
 from transformers import BloomConfig, LlamaConfig
 
-from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks
+from corolla.client.swarm.routing import Span, find_route, sample_route, uncovered_blocks
 from corolla.models import get_family
 from corolla.models.lora import active_adapter
 from corolla.protocol.messages import ServerInfo, ServerState
-from corolla.server.adapters import AdapterCalls, LoraTarget, map_lora_names, parse_lora_config
-from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
+from corolla.server.compute.adapter_calls import AdapterCalls
+from corolla.server.loading.adapters import LoraTarget, map_lora_names, parse_lora_config
+from corolla.server.compute.worker import PRIORITY_INFERENCE, ComputeWorker
 
 LLAMA = get_family(LlamaConfig())
 BLOOM = get_family(BloomConfig())

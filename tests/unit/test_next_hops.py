@@ -1,4 +1,4 @@
-"""ServerInfo.next_pings on the wire (round trip, records without it) and server.next_hops: which peers a server
+"""ServerInfo.next_pings on the wire (round trip, records without it) and server.presence.next_hops: which peers a server
 measures, what it keeps and announces, and that a slow or failing peer holds nothing up."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from corolla.protocol.errors import PeerUnavailable, PeerUnreachable
 from corolla.protocol.messages import MAX_PING_SECONDS, ServerInfo, ServerState
-from corolla.server import next_hops
-from corolla.server.next_hops import NextHops, next_hop_candidates
+from corolla.server.presence import next_hops
+from corolla.server.presence.next_hops import NextHops, next_hop_candidates
 from test_routing import make_info
 
 

@@ -26,12 +26,12 @@ from corolla.protocol.messages import (
     ProbeRequest,
     SessionOpened,
 )
-from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.compute import ComputeWorker
+from corolla.server.compute.block_stack import BlockStack, KVLayout
+from corolla.server.cache.allocator import CacheAllocator
+from corolla.server.compute.worker import ComputeWorker
 from corolla.server.config import ServerConfig, public_model_name
-from corolla.server.handler import ConnectionHandler, _stream_adapter
-from corolla.server.network import PROBE_CHUNK_BYTES, probe_reply_head
+from corolla.server.rpc.handler import ConnectionHandler, _stream_adapter
+from corolla.server.presence.network import PROBE_CHUNK_BYTES, probe_reply_head
 
 HIDDEN = 32
 BLOCKS = BlockRange(start=0, end=2)

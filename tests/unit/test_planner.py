@@ -1,4 +1,4 @@
-"""The step planner: which way each checked inference step runs, exactly (server.planner)."""
+"""The step planner: which way each checked inference step runs, exactly (server.compute.planner)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from corolla.server.planner import (
+from corolla.server.compute.planner import (
     Chunked,
     Decode,
     Merged,

@@ -14,11 +14,11 @@ from corolla.protocol.framing import decode_frame
 from corolla.protocol.messages import (BlockRange, CloseSession, ErrorReply, InferenceStep, OpenSession, PushRefused,
                                        PushSource, PushTarget, SessionOpened, StepResult)
 from corolla.protocol.signing import PeerKey
-from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.compute import ComputeWorker
+from corolla.server.cache.allocator import CacheAllocator
+from corolla.server.compute.worker import ComputeWorker
 from corolla.server.config import ServerConfig
-from corolla.server.handler import MAX_REFUSED_PUSHES, UNAUTHORIZED_PUSH_FRAME, ConnectionHandler, _stream_adapter
-from corolla.server.push import outgoing_push
+from corolla.server.rpc.handler import MAX_REFUSED_PUSHES, UNAUTHORIZED_PUSH_FRAME, ConnectionHandler, _stream_adapter
+from corolla.server.rpc.push import outgoing_push
 from test_handler import HIDDEN, MemoryWriter, framed, stack  # noqa: F401 (fixture)
 
 OWNER, PUSHER = PeerKey.generate(), PeerKey.generate()

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.client.push_audit import answer_problem, judge_receipt
-from corolla.client.push_route import RouteHop, can_push, links_to_fix, wanted_links
+from corolla.client.chain.push_audit import answer_problem, judge_receipt
+from corolla.client.chain.push_route import RouteHop, can_push, links_to_fix, wanted_links
 from corolla.protocol.messages import PushSource, PushTarget
 from corolla.protocol.receipts import sign_receipt, tensor_digest
 from corolla.protocol.signing import PeerKey
-from corolla.server.push import LiveSession, PushLinks, outgoing_push, push_receipt_problem
-from corolla.server.validation import RequestError
+from corolla.server.rpc.push import LiveSession, PushLinks, outgoing_push, push_receipt_problem
+from corolla.server.errors import RequestError
 
 SECRETS = {"A": "a" * 32, "B": "b" * 32, "C": "c" * 32}
 

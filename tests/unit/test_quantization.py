@@ -27,12 +27,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig, LlamaConfig, MixtralConfig, PretrainedConfig
 
 from corolla.client.config import ClientConfig
-from corolla.client.routing import Span, find_route, uncovered_blocks, usable_servers
-from corolla.client.sequence_manager import SequenceManager
+from corolla.client.swarm.routing import Span, find_route, uncovered_blocks, usable_servers
+from corolla.client.swarm.sequence_manager import SequenceManager
 from corolla.models import get_family
 from corolla.protocol.errors import MissingBlocks
 from corolla.protocol.messages import ServerInfo, ServerState
-from corolla.server.dtype_choice import checkpoint_dtype_name, resolve_dtype
+from corolla.server.loading.dtype_choice import checkpoint_dtype_name, resolve_dtype
 from corolla.models.quantization import (
     QuantizedExperts, estimate_block_bytes, quantize_block, quantized_linear_count, quantized_weight_bytes,
     resident_bytes,

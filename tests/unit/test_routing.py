@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from corolla.client.config import ClientConfig
-from corolla.client.routing import Span, find_route, sample_route, uncovered_blocks
-from corolla.client.sequence_manager import SequenceManager
+from corolla.client.swarm.routing import Span, find_route, sample_route, uncovered_blocks
+from corolla.client.swarm.sequence_manager import SequenceManager
 from corolla.protocol.errors import AllocationFailed, MissingBlocks, PeerUnavailable, PeerUnreachable, RemoteError
 from corolla.protocol.messages import ServerInfo, ServerState
 
@@ -195,7 +195,7 @@ def test_a_ping_that_gets_an_answer_lifts_an_unreachable_ban_but_not_a_misbehavi
     async def answers(node, peer_id, maddrs, *, connect_timeout, timeout):
         return 0.01
 
-    monkeypatch.setattr("corolla.client.sequence_manager.ping", answers)
+    monkeypatch.setattr("corolla.client.swarm.sequence_manager.ping", answers)
     manager = SequenceManager(Node(), "m", 4, ClientConfig(unreachable_ban=60.0))  # type: ignore[arg-type]
     manager.ban("gone-then-back", unreachable=True)
     manager.ban("misbehaving")

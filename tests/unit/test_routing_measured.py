@@ -1,4 +1,4 @@
-"""Announced numbers steer routes only as far as the client's own measurements support them (client.routing):
+"""Announced numbers steer routes only as far as the client's own measurements support them (client.swarm.routing):
 exact prices from announced and measured values, and a lying fast server that stops being chosen after one step."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 
 from corolla.client.config import ClientConfig
-from corolla.client.routing import (ANNOUNCED_SPEEDUP, Span, believed_ping, believed_throughput, find_route,
+from corolla.client.swarm.routing import (ANNOUNCED_SPEEDUP, Span, believed_ping, believed_throughput, find_route,
                                     measured_speed, one_way, sample_route)
-from corolla.client.sequence_manager import SequenceManager
+from corolla.client.swarm.sequence_manager import SequenceManager
 from corolla.dht.ping import smooth
 from corolla.protocol.messages import ServerInfo, ServerState
 

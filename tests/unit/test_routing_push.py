@@ -12,7 +12,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from corolla.client.routing import Span, find_route, one_way
+from corolla.client.swarm.routing import Span, find_route, one_way
 from corolla.protocol.messages import MAX_NEXT_PINGS, ServerInfo
 from test_routing import make_info, make_manager, swarm
 

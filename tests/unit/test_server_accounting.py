@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.memory_cache import CacheBudget
+from corolla.server.cache.allocator import CacheAllocator
+from corolla.server.cache.budget import CacheBudget
 
 
 def test_budget_reserves_until_full_and_release_returns_tokens():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.client.session_state import CallReading, SessionState
+from corolla.client.session.session_state import CallReading, SessionState
 
 BOS = (1,)
 

@@ -9,10 +9,10 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import LogitsProcessorList, MinLengthLogitsProcessor
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from corolla.client import generation_settings as settings
-from corolla.client.assistant_drafter import AssistantDrafter
-from corolla.client.prompt_lookup import PromptLookupDrafter, lookup
-from corolla.client.speculative import Draft, choose_tokens, leading_run, speculative_decode
+from corolla.client.decoding import settings
+from corolla.client.decoding.assistant_drafter import AssistantDrafter
+from corolla.client.decoding.prompt_lookup import PromptLookupDrafter, lookup
+from corolla.client.decoding.speculative import Draft, choose_tokens, leading_run, speculative_decode
 
 VOCAB = 64
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

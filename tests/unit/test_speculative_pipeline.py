@@ -11,10 +11,10 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from corolla.client.assistant_drafter import AssistantDrafter
-from corolla.client.prompt_lookup import PromptLookupDrafter
-from corolla.client.speculative import Draft
-from corolla.client.speculative_pipeline import MAX_PASSES, PipeDepth, PipeStats, pipelined_decode
+from corolla.client.decoding.assistant_drafter import AssistantDrafter
+from corolla.client.decoding.prompt_lookup import PromptLookupDrafter
+from corolla.client.decoding.speculative import Draft
+from corolla.client.decoding.speculative_pipeline import MAX_PASSES, PipeDepth, PipeStats, pipelined_decode
 from test_speculative_decoding import PROMPT, VOCAB, _markov, tiny_llama
 
 

@@ -1,4 +1,4 @@
-"""Spot checks' pure decisions (client.verification) and the reputation file (client.reputation)."""
+"""Spot checks' pure decisions (client.trust.verification) and the reputation file (client.trust.reputation)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from corolla.client.config import ClientConfig
-from corolla.client.reputation import Reputation, load
-from corolla.client.verification import (
+from corolla.client.trust.reputation import Reputation, load
+from corolla.client.trust.verification import (
     TOL_HALF, TOL_INT8, TOL_NF4, TOL_SAME_EXACT, TOL_SAME_LOW, kind_of, opinion_tolerance, pair_tolerance, plan_checkers,
     referee_verdict, relative_error, rewind_position, sequence_rewind, settle,
 )
 from corolla.protocol.messages import ComputeKind, QuantMode, ServerInfo, ServerState
-from corolla.server.faults import FALSE_QUANT_SCALE, corrupted
+from corolla.server.rpc.faults import FALSE_QUANT_SCALE, corrupted
 
 
 def info(dtype: str = "float32", quant: str = "none", adapters: tuple[str, ...] = ()) -> ServerInfo:

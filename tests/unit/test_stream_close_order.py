@@ -15,7 +15,7 @@ import pytest
 
 from corolla.protocol.framing import read_frame, write_frame
 from corolla.protocol.messages import ErrorCode, ErrorReply, InfoRequest
-from corolla.server import handler as handler_module
+from corolla.server.rpc import handler as handler_module
 from corolla.server.metrics import ServerMetrics
 
 STREAM_INFO = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "client-peer"))

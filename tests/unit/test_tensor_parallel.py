@@ -28,9 +28,9 @@ from transformers import (
 
 from corolla.models import get_family
 from corolla.models.llama.sharding import split_evenly
-from corolla.server.backend import BlockStack, KVLayout
+from corolla.server.compute.block_stack import BlockStack, KVLayout
 from corolla.models.quantization import quantize_block, quantized_linear_count, resident_bytes
-from corolla.server.tensor_parallel import (
+from corolla.server.compute.tensor_parallel import (
     build_tensor_parallel_block,
     check_tensor_parallel,
     measure_throughput,
@@ -273,8 +273,8 @@ def test_shards_on_cuda_equal_unsharded_block(case_id: str) -> None:
 @pytest.mark.parametrize("num_shards", [2, 3])
 @pytest.mark.parametrize("case_id", ["llama-gqa", "bloom-6heads", "falcon-7b-multi-query"])
 def test_padded_steps_and_beam_reordering_work_on_sharded_caches(case_id: str, num_shards: int) -> None:
-    """The padded-batch and beam-search paths (server.padding) take per-shard caches as they take plain ones."""
-    from corolla.server.padding import masked_inference_step
+    """The padded-batch and beam-search paths (server.compute.padding) take per-shard caches as they take plain ones."""
+    from corolla.server.compute.padding import masked_inference_step
 
     plain, sharded = make_stacks(case_id, num_shards)
     torch.manual_seed(1)

@@ -15,11 +15,11 @@ from torch import nn
 
 from corolla.models import get_family
 from corolla.models.lora import LoraLinear, LoraWeights, attach_lora, using_adapter
-from corolla.server.tensor_parallel import (
+from corolla.server.compute.tensor_parallel import (
     TensorParallelBlock,
     build_tensor_parallel_block,
 )
-from corolla.server.tensor_parallel_lora import attach_tensor_parallel_lora
+from corolla.server.compute.tensor_parallel_lora import attach_tensor_parallel_lora
 
 ATOL = 1e-5
 LLAMA_LAYERS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

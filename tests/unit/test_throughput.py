@@ -6,8 +6,8 @@ import json
 
 import torch
 
-from corolla.server import throughput
-from corolla.server.network import announced_throughput, network_tokens_per_second
+from corolla.server.presence import throughput
+from corolla.server.presence.network import announced_throughput, network_tokens_per_second
 
 
 def test_network_tokens_per_second_is_bandwidth_over_one_hidden_state():

@@ -13,8 +13,8 @@ import asyncio
 import logging
 from typing import Any, Mapping, Sequence
 
-from corolla.client.routing import usable_servers
-from corolla.client.server_info import request_info
+from corolla.client.swarm.routing import usable_servers
+from corolla.client.swarm.server_info import request_info
 from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class SwarmCapacity:
     """Live free cache of the servers a model's sessions may use (via its SequenceManager, on the client loop)."""
 
     def __init__(self, manager: Any, timeout: float = 2.0):
-        self.manager = manager  # corolla.client.sequence_manager.SequenceManager
+        self.manager = manager  # corolla.client.swarm.sequence_manager.SequenceManager
         self.timeout = timeout
 
     async def free_cache(self) -> dict[str, int]:

@@ -60,8 +60,8 @@ from corolla.api.sampling import SamplingParams, make_generator
 from corolla.api.sessions import IdleSessions
 from corolla.api.stream import GenerationStream, StreamEvent
 from corolla.client.event_loop import get_loop, run_sync
-from corolla.client.inference_session import InferenceSession
-from corolla.client.spot_checks import SessionChecks
+from corolla.client.session.inference_session import InferenceSession
+from corolla.client.trust.spot_checks import SessionChecks
 from corolla.protocol.errors import AllocationFailed
 
 logger = logging.getLogger(__name__)

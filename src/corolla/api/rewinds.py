@@ -1,7 +1,7 @@
 """Spot checks in the API (ClientConfig.verify_rate > 0): what a choice sends while its servers are being checked,
 and how it is generated again when a check proves one of them lied.
 
-A choice's session checks its servers in the background (client.spot_checks); when a check convicts a server, the
+A choice's session checks its servers in the background (client.trust.spot_checks); when a check convicts a server, the
 session has a `rewind` pending: the first position whose output from the liar reached the chain. The engine then
 does what `generate` does: it replaces the liar's spans (`InferenceSession.replace_distrusted`, which replays the
 kept inputs into an honest replacement), rolls the session back to that position, drops the tokens generated from
@@ -30,8 +30,8 @@ import torch
 
 from corolla.api.errors import OutputRetracted
 from corolla.api.stream import GenerationStream, StreamEvent
-from corolla.client.inference_session import InferenceSession
-from corolla.client.spot_checks import SessionChecks
+from corolla.client.session.inference_session import InferenceSession
+from corolla.client.trust.spot_checks import SessionChecks
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ server, so a server that died shows as `unreachable` (and its blocks as uncovere
 stays in the DHT until it expires.
 
 Each server's line ends with this user's spot-check record of it (ClientConfig.verify_rate): `checks P/F` (passed,
-failed), `DISTRUSTED` when a client caught it lying, read from the clients' reputation file (client.reputation);
+failed), `DISTRUSTED` when a client caught it lying, read from the clients' reputation file (client.trust.reputation);
 `--json` adds it as "client_reputation" {peer id: record}. A record is what this machine's clients saw, not a
 swarm-wide verdict.
 """
@@ -17,7 +17,7 @@ import asyncio
 import json
 
 from corolla.cli.common import add_initial_peers_argument
-from corolla.client.reputation import load as load_reputation
+from corolla.client.trust.reputation import load as load_reputation
 from corolla.dht import model_dht_prefix
 from corolla.membership import load_swarm_key
 from corolla.monitor.collect import collect_state

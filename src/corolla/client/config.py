@@ -33,14 +33,14 @@ class ClientConfig:
     # to the next one (one network crossing per hop, not two); False: the client relays every hop (Petals' way)
     push: bool = True
 
-    # spot checks (client.spot_checks): the probability that a step's output of a span is recomputed by another
+    # spot checks (client.trust.spot_checks): the probability that a step's output of a span is recomputed by another
     # server holding those blocks and compared. 0 (the default) = off: a check costs a second server a forward over
     # the session's whole history, so it is the user's choice; 0.05-0.1 catches a lying server within tens of steps
     verify_rate: float = 0.0
     verify_seed: int | None = None  # seed of the spot checks' random draws (None: unseeded); tests and benchmarks
     verify_wait: float = 30.0  # seconds `generate` waits for the checks still running before it returns
     # when two servers disagree and no other server settles it, the client reads the disputed span's blocks from the
-    # checkpoint and computes them itself (client.referee); off: such a dispute leaves the output unverified
+    # checkpoint and computes them itself (client.trust.referee); off: such a dispute leaves the output unverified
     verify_referee: bool = True
 
     max_chunk_bytes: int = 4 << 20  # training: largest hidden-state tensor per forward/backward message, bytes
@@ -48,7 +48,7 @@ class ClientConfig:
     # (exact, the default), "bf16", "fp16", "int8" (blockwise absmax) or "4bit" (Hadamard-rotated blocks); smaller
     # codecs pay off for long prompts over slow links, and cost accuracy (docs: their measured quality)
     compression: str = "none"
-    # pipelined prefill (client.pipelined_prefill): a long step crosses a push route in chunks of this many tokens,
+    # pipelined prefill (client.chain.pipelined_prefill): a long step crosses a push route in chunks of this many tokens,
     # so servers compute and push chunk k while chunk k + 1 arrives; None = chosen by the bytes per token (~1 MiB
     # chunks)
     prefill_chunk_tokens: int | None = None

@@ -2,9 +2,9 @@
 
 A ping is one rpc_info exchange (an InfoRequest answered by an InfoReply), timed from opening the stream to the
 reply, after dialing the server at the addresses it announces (not timed: a no-op when already connected). Clients
-time their servers this way (client.sequence_manager) and servers their likely next hops (server.next_hops), so a
+time their servers this way (client.swarm.sequence_manager) and servers their likely next hops (server.presence.next_hops), so a
 round trip a server announces and one a client measured are comparable when a route adds them up
-(client.routing). Samples are smoothed with `smooth`, an exponential moving average.
+(client.swarm.routing). Samples are smoothed with `smooth`, an exponential moving average.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def quantize_block(block: nn.Module, mode: str, device: torch.device | str, comp
 
 def block_as_kind(block: nn.Module, dtype: torch.dtype, mode: str, device: torch.device | str = "cpu") -> nn.Module:
     """A copy of a float32 `block` as a server of compute dtype `dtype` and quantization `mode` holds it: cast, then
-    quantized on its way to `device`, exactly as `corolla serve` loads it (server.block_loading). `block` is left
+    quantized on its way to `device`, exactly as `corolla serve` loads it (server.loading.blocks). `block` is left
     as it was. Quantizing is deterministic, so the copy computes what such a server computes (up to kernels)."""
     return quantize_block(copy.deepcopy(block).to(dtype), mode, device, dtype).eval().requires_grad_(False)
 

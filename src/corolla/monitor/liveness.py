@@ -15,7 +15,7 @@ from typing import Iterable
 
 from hivemind.p2p import P2P
 
-from corolla.client.server_info import request_info
+from corolla.client.swarm.server_info import request_info
 from corolla.protocol.errors import PeerUnavailable, RemoteError
 from corolla.protocol.messages import InfoReply
 

@@ -104,7 +104,7 @@ def handle(command: dict, model, manager, run_sync, torch) -> dict:
 
 def timed_decode(model, ids, new_tokens: int, repeats: int, torch) -> dict:
     """Greedy decoding by hand: time to first token (session open + prefill) and seconds per further token; the
-    session's counted exchanges (client.inference_session) per decode step, median over the repeats; the last
+    session's counted exchanges (client.session.inference_session) per decode step, median over the repeats; the last
     repeat's tokens (prompt included), its session's route and pushed steps."""
     ttft, per_token, exchanges = [], [], []
     with torch.no_grad():

@@ -28,6 +28,8 @@ class SessionExpired(CorollaError):
 class PeerUnavailable(CorollaError):
     """A peer could not be reached, closed the stream, or did not answer in time."""
 
+    own_doing = False  # True for an answer the peer made wrong itself (malformed, dishonest): not a passing fault
+
 
 class PeerUnreachable(PeerUnavailable):
     """A stream to the peer could not be opened at all: the peer is most likely gone."""

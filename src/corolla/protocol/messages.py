@@ -106,7 +106,7 @@ class ServerInfo(_Message):
     relayed: bool = False  # reachable only through a relay (its maddrs are /p2p-circuit/ ones): an extra hop per step
     codecs: tuple[Codec, ...] = ("none",)  # activation codecs its sessions and passes accept (protocol.codecs)
     # push routing: peer id -> smoothed round trip in seconds from this server to that one, for the servers a step
-    # pushed on from here would likely go to (server.next_hops); empty in records of servers that predate it
+    # pushed on from here would likely go to (server.presence.next_hops); empty in records of servers that predate it
     next_pings: dict[
         Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)],
         Annotated[float, Field(ge=0.0, le=MAX_PING_SECONDS, allow_inf_nan=False)],
@@ -122,7 +122,7 @@ class ServerInfo(_Message):
 class ComputeKind(_Message):
     """How a server computes its blocks: its compute dtype and its weights' quantization (ServerInfo.torch_dtype and
     .quant). Two servers of one kind compute the same numbers up to summation order; a checker asked to compute "as"
-    another kind (ForwardRequest.emulate) quantizes its own float weights the same way (server.emulation)."""
+    another kind (ForwardRequest.emulate) quantizes its own float weights the same way (server.compute.emulation)."""
 
     dtype: Literal["float32", "bfloat16", "float16"]
     quant: QuantMode = QuantMode.NONE
@@ -173,7 +173,7 @@ class OpenSession(_Message):
     active_adapter: str | None = Field(
         default=None, max_length=MAX_ADAPTER_NAME
     )  # LoRA adapter for every step; None: base model
-    # push mode (server.push): who may push steps into this session, and where this session pushes its outputs
+    # push mode (server.rpc.push): who may push steps into this session, and where this session pushes its outputs
     push_from: PushSource | None = None
     push_to: PushTarget | None = None
     codec: Codec = "none"  # how the session's hidden states travel, on every hop (its steps, answers and pushes)

@@ -10,7 +10,7 @@ and a check of B against the owner's copy would convict the honest B. So A signs
 
 The receipt carries those fields (not the secret: the link's two servers and its owner know it). B checks it before
 running the push (`PushReceipt` fields equal to the push's, digest of what arrived, A's signature) and hands it to the
-owner with its answer. The owner then judges (client.push_audit): a receipt that is not A's signature over this link
+owner with its answer. The owner then judges (client.chain.push_audit): a receipt that is not A's signature over this link
 and this answer's step is B's lie (nobody but A can sign one); a valid receipt whose digest or step fields differ
 from A's copy and the step the owner sent is A's proven lie.
 

@@ -113,7 +113,7 @@ class ServerConfig:
             "seconds"
         ),
     )
-    # per-peer limits (server.peer_limits): what one peer id may hold of this server at once
+    # per-peer limits (server.rpc.peer_limits): what one peer id may hold of this server at once
     max_peer_cache_share: float = field(
         default=1.0,
         metadata=_opt(

@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
-from corolla.server.memory_cache import CacheBudget
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +43,18 @@ def step_path(fn: Callable[..., Any]) -> str | None:
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
     return STEP_PATHS.get(getattr(fn, "__name__", ""))
+
+
+class CacheFigures(Protocol):
+    """What the cache gauges read (server.cache.budget.CacheBudget): tokens used, free and in all."""
+
+    total: int
+
+    @property
+    def used(self) -> int: ...
+
+    @property
+    def free(self) -> int: ...
 
 
 class ServerMetrics:
@@ -89,7 +100,7 @@ class ServerMetrics:
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     # ---------------------------------------------------------------- seams
-    def watch(self, sessions_open: Callable[[], int], budget: Callable[[], CacheBudget | None]) -> None:
+    def watch(self, sessions_open: Callable[[], int], budget: Callable[[], CacheFigures | None]) -> None:
         """Read these at every scrape: the open sessions, and the current cache budget (None: no blocks loaded)."""
         self.sessions_open.set_function(sessions_open)
         self.cache_used.set_function(lambda: _or_zero(budget(), "used"))
@@ -150,7 +161,7 @@ class ServerMetrics:
             self._http = None
 
 
-def _or_zero(budget: CacheBudget | None, field: str) -> float:
+def _or_zero(budget: CacheFigures | None, field: str) -> float:
     return 0.0 if budget is None else float(getattr(budget, field))
 
 

@@ -24,23 +24,23 @@ from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.codecs import CODECS
 from corolla.membership import load_swarm_key
 from corolla.protocol.messages import MAX_MADDRS, InfoReply, ServerInfo, ServerState
-from corolla.server.adapters import read_adapter_config
-from corolla.server.announcer import Announcer
-from corolla.server.backend import BlockStack
-from corolla.server.block_loading import default_cache_tokens, default_num_blocks, load_stack
-from corolla.server.block_selection import choose_best_blocks, parse_block_range, should_move
-from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.compute import PRIORITY_INFERENCE, ComputeWorker
+from corolla.server.loading.adapters import read_adapter_config
+from corolla.server.presence.announcer import Announcer
+from corolla.server.compute.block_stack import BlockStack
+from corolla.server.loading.blocks import default_cache_tokens, default_num_blocks, load_stack
+from corolla.server.presence.block_selection import choose_best_blocks, parse_block_range, should_move
+from corolla.server.cache.allocator import CacheAllocator
+from corolla.server.compute.worker import PRIORITY_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig, public_model_name
-from corolla.server.dtype_choice import checkpoint_dtype_name, resolve_dtype
-from corolla.server.faults import announced_quant
-from corolla.server.handler import ConnectionHandler
+from corolla.server.loading.dtype_choice import checkpoint_dtype_name, resolve_dtype
+from corolla.server.rpc.faults import announced_quant
+from corolla.server.rpc.handler import ConnectionHandler
 from corolla.server.metrics import ServerMetrics
-from corolla.server.next_hops import NextHops
-from corolla.server.network import announced_throughput, measure_bandwidth, network_tokens_per_second
+from corolla.server.presence.next_hops import NextHops
+from corolla.server.presence.network import announced_throughput, measure_bandwidth, network_tokens_per_second
 from corolla.models.quantization import check_quant_mode
-from corolla.server.tensor_parallel import check_tensor_parallel, measure_throughput
-from corolla.server.throughput import cached_throughput, load_cached, measure_block_throughput, store_cached
+from corolla.server.compute.tensor_parallel import check_tensor_parallel, measure_throughput
+from corolla.server.presence.throughput import cached_throughput, load_cached, measure_block_throughput, store_cached
 
 logger = logging.getLogger(__name__)
 

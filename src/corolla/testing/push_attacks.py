@@ -1,4 +1,4 @@
-"""Attacks on push sessions (server.push) from a peer of the swarm: pushing into, rolling back or reading another
+"""Attacks on push sessions (server.rpc.push) from a peer of the swarm: pushing into, rolling back or reading another
 client's session through a server that pushes on the attacker's behalf, or pushing into it directly.
 
 Each function runs on the attacker's own node (`SwarmNode`, on its event loop) and returns what the servers answered;
@@ -18,7 +18,7 @@ from corolla.protocol import PROTOCOL_VERSION, rpc_handler_name
 from corolla.protocol.framing import read_frame, write_frame
 from corolla.protocol.messages import (BlockRange, CloseSession, ErrorReply, InferenceStep, Message, OpenSession,
                                        PushTarget, SessionOpened, StepResult)
-from corolla.server.push import outgoing_push
+from corolla.server.rpc.push import outgoing_push
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import msgpack
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from corolla.client.server_info import request_info
+from corolla.client.swarm.server_info import request_info
 from corolla.protocol import PROTOCOL_VERSION, rpc_handler_name
 from corolla.protocol.framing import HEADER_LEN_BYTES, LEN_BYTES, MAX_HEADER_BYTES, abort_stream, write_frame
 from corolla.protocol.messages import (

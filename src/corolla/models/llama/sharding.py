@@ -23,7 +23,7 @@ the MLP share, ``residual`` the input itself) as ``h = x + sum_s attention_parti
 ``h + sum_s mlp_partial_s(h)``, which equals ``block(x)`` up to float rounding.
 
 Every shard also records which rows or columns of each full linear layer it took (``LinearSlice``, in
-``linear_slices``), so a LoRA update of the full layer can be sliced the same way (server.tensor_parallel_lora).
+``linear_slices``), so a LoRA update of the full layer can be sliced the same way (server.compute.tensor_parallel_lora).
 """
 
 from __future__ import annotations
