@@ -70,7 +70,7 @@ def engine_batching(path: Path, counts: list[int], repeats: int = 5) -> list[dic
 
     from corolla.checkpoint import load_tensors
     from corolla.models import get_family
-    from corolla.server.backend import BlockStack, KVLayout
+    from corolla.server.compute.block_stack import BlockStack, KVLayout
 
     torch.set_num_threads(1)
     config = AutoConfig.from_pretrained(path)

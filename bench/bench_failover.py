@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.local_swarm import LocalProcess, LocalSwarm
-from corolla.client.routing import find_route, uncovered_blocks
+from corolla.client.swarm.routing import find_route, uncovered_blocks
 from corolla.protocol.messages import ServerInfo, ServerState
 
 SERVER_ARGS = ["--num-threads", "1", "--announce-period", "5", "--max-session-length", "1024"]

@@ -31,7 +31,7 @@ from bench_generate import build_model, log  # noqa: E402  (the same cached chec
 
 from corolla.checkpoint import load_config, load_tensors  # noqa: E402
 from corolla.models import get_family  # noqa: E402
-from corolla.server.backend import BlockStack, KVLayout  # noqa: E402
+from corolla.server.compute.block_stack import BlockStack, KVLayout  # noqa: E402
 from corolla.models.quantization import estimate_block_bytes, quantize_block, resident_bytes  # noqa: E402
 
 

@@ -27,11 +27,11 @@ from corolla.models.llama.block import LlamaBlock
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.framing import decode_frame, encode_frame
 from corolla.protocol.messages import BlockRange, CloseSession, InferenceStep, OpenSession
-from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.cache_allocator import CacheAllocator
-from corolla.server.compute import ComputeWorker
+from corolla.server.compute.block_stack import BlockStack, KVLayout
+from corolla.server.cache.allocator import CacheAllocator
+from corolla.server.compute.worker import ComputeWorker
 from corolla.server.config import ServerConfig
-from corolla.server.handler import ConnectionHandler
+from corolla.server.rpc.handler import ConnectionHandler
 
 
 def encode(message, tensors: dict[str, torch.Tensor]) -> bytes:

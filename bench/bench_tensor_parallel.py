@@ -24,8 +24,8 @@ import torch
 from transformers import Qwen3Config
 
 from corolla.models import get_family
-from corolla.server.backend import BlockStack, KVLayout
-from corolla.server.tensor_parallel import build_tensor_parallel_block, tensor_parallel_stack
+from corolla.server.compute.block_stack import BlockStack, KVLayout
+from corolla.server.compute.tensor_parallel import build_tensor_parallel_block, tensor_parallel_stack
 
 SHAPE = dict(
     hidden_size=1024,

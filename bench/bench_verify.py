@@ -39,7 +39,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.cli.local_swarm import LocalSwarm
-from corolla.client.spot_checks import client_checks
+from corolla.client.trust.spot_checks import client_checks
 
 SERVER_ARGS = ["--num-threads", "1", "--announce-period", "2", "--max-session-length", "1024"]
 RATES = (0.0, 0.05, 0.1, 0.25)

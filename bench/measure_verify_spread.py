@@ -1,10 +1,10 @@
 """The honest spread of span outputs between servers of different dtype, quantization, threads and sharding.
 
-Spot checks (client.verification) compare one server's output of a span with another's for the same inputs; the
+Spot checks (client.trust.verification) compare one server's output of a span with another's for the same inputs; the
 tolerance must sit above what honest servers differ by and below what `--inject-fault corrupt` changes. This
 starts one server per configuration, each holding the same blocks of the same random-weight Llama, sends every
 server the same inputs through rpc_forward, and prints JSON: per pair of configurations the largest relative
-error (client.verification.relative_error) over several input draws, and the same for the corrupt perturbation.
+error (client.trust.verification.relative_error) over several input draws, and the same for the corrupt perturbation.
 
     PYTHONPATH=src python3 bench/measure_verify_spread.py [--hidden 256] [--layers 4] [--tokens 48] [--draws 5]
 """
@@ -24,10 +24,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.local_swarm import LocalSwarm
 from corolla.client.event_loop import run_sync
-from corolla.client.remote_autograd import RemoteBlocks
-from corolla.client.routing import Span
-from corolla.client.verification import relative_error
-from corolla.server.faults import corrupted
+from corolla.client.swarm.remote_blocks import RemoteBlocks
+from corolla.client.swarm.routing import Span
+from corolla.client.trust.verification import relative_error
+from corolla.server.rpc.faults import corrupted
 
 CONFIGS = {
     "f32-t1": ["--dtype", "float32", "--num-threads", "1"],
