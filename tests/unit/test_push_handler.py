@@ -17,7 +17,8 @@ from corolla.protocol.signing import PeerKey
 from corolla.server.cache.allocator import CacheAllocator
 from corolla.server.compute.worker import ComputeWorker
 from corolla.server.config import ServerConfig
-from corolla.server.rpc.handler import MAX_REFUSED_PUSHES, UNAUTHORIZED_PUSH_FRAME, ConnectionHandler, _stream_adapter
+from corolla.server.rpc.handler import ConnectionHandler, _stream_adapter
+from corolla.server.rpc.push_receiver import MAX_REFUSED_PUSHES, UNAUTHORIZED_PUSH_FRAME
 from corolla.server.rpc.push import outgoing_push
 from test_handler import HIDDEN, MemoryWriter, framed, stack  # noqa: F401 (fixture)
 
