@@ -11,7 +11,7 @@ import torch
 
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.framing import decode_frame
-from corolla.protocol.messages import (BlockRange, CloseSession, ErrorReply, InferenceStep, OpenSession, PushRefused,
+from corolla.protocol.messages import (BlockRange, CloseSession, ErrorReply, InferenceStep, OpenSession, PushRefusal, PushRefused,
                                        PushSource, PushTarget, SessionOpened, StepResult)
 from corolla.protocol.signing import PeerKey
 from corolla.server.cache.allocator import CacheAllocator
@@ -189,3 +189,94 @@ def test_a_step_asking_for_its_last_positions_gets_only_those_back(stack):
     last, partial, whole = serve(stack, scenario)
     assert isinstance(last, StepResult) and last.position == 5
     assert partial.shape == (1, 1, HIDDEN) and torch.equal(partial, whole[:, -1:])
+
+
+# ---------------------------------------------------------------- issue 34: refusals reach the owner, in order only
+def test_a_push_the_receiver_refuses_is_told_to_the_owner_at_once_naming_the_cause_and_the_stream_goes_on(stack):
+    """Attack 1's server half: a pusher that signs one output and pushes another (or forges its receipt) is refused,
+    and the session's owner hears it at once on its own stream (PushRefused with the cause and the receipt as it
+    arrived) instead of waiting out its request timeout; the push stream carries the next, good push."""
+
+    async def scenario(handler, talk):
+        owner_reader, owner_receive = await open_pushed_session(talk)
+        reader, writer, receive = talk("push", PUSHER)
+        message, tensors = outgoing_push(PUSHER, PushTarget(peer_id=handler.key.peer_id, secret=SECRET), 4, 0, None,
+                                         False, torch.zeros(1, 2, HIDDEN), None)
+        reader.feed_data(framed(message, {"hidden": torch.ones(1, 2, HIDDEN)}))  # signs zeros, sends ones
+        digest = (await owner_receive())[0], (await receive())[0]
+        forged = message.model_copy(update={"receipt": message.receipt.model_copy(update={"position": 1}),
+                                            "position": 1})
+        reader.feed_data(framed(forged, tensors))
+        receipt = (await owner_receive())[0], (await receive())[0]
+        reader.feed_data(push_frame(handler, PUSHER, torch.randn(1, 2, HIDDEN), 0, step_id=5))
+        good, _ = await owner_receive()
+        owner_reader.feed_data(framed(CloseSession()))
+        reader.feed_eof()
+        return digest, receipt, good
+
+    (digest, to_pusher), (receipt, to_pusher_2), good = serve(stack, scenario)
+    assert isinstance(digest, PushRefused) and digest.cause == PushRefusal.DIGEST and digest.step_id == 4
+    assert digest.receipt.pusher == PUSHER.peer_id and "digest" in digest.reason
+    assert isinstance(to_pusher, ErrorReply) and "digest" in to_pusher.message
+    assert isinstance(receipt, PushRefused) and receipt.cause == PushRefusal.RECEIPT and "signature" in receipt.reason
+    assert isinstance(to_pusher_2, ErrorReply)
+    assert isinstance(good, StepResult) and (good.step_id, good.position) == (5, 2)
+
+
+def test_an_upstream_server_cannot_rewrite_the_session_with_an_old_or_equal_step_id(stack):
+    """Attack 2's server half: after step 6 ran, the upstream pushes positions 0..12 again as step 6 (equal) and as
+    step 3 (older): both are refused as STALE to the owner, with the pusher's signed receipt, and the cache is
+    untouched (the owner's next step sees what step 6 wrote)."""
+    torch.manual_seed(3)
+    prompt, rewrite, token = torch.randn(1, 4, HIDDEN), torch.randn(1, 13, HIDDEN), torch.randn(1, 1, HIDDEN)
+
+    async def scenario(handler, talk):
+        owner_reader, owner_receive = await open_pushed_session(talk)
+        reader, writer, _ = talk("push", PUSHER)
+        reader.feed_data(push_frame(handler, PUSHER, prompt, 0, step_id=6))
+        first, _ = await owner_receive()
+        refusals = []
+        for step_id in (6, 3):
+            reader.feed_data(push_frame(handler, PUSHER, rewrite, 0, step_id=step_id))
+            refusals.append((await owner_receive())[0])
+        owner_reader.feed_data(framed(InferenceStep(step_id=7, position=4), {"hidden": token}))
+        after, tensors = await owner_receive()
+        owner_reader.feed_data(framed(CloseSession()))
+        reader.feed_eof()
+        return first, refusals, after, tensors["hidden"]
+
+    first, refusals, after, output = serve(stack, scenario)
+    assert isinstance(first, StepResult) and first.position == 4
+    assert all(isinstance(r, PushRefused) and r.cause == PushRefusal.STALE for r in refusals), refusals
+    assert [r.step_id for r in refusals] == [6, 3] and all(r.receipt.pusher == PUSHER.peer_id for r in refusals)
+    assert isinstance(after, StepResult) and after.position == 5
+    cache = stack.allocate_cache(1, 16, 0, 3)
+    stack.inference_step(prompt, cache, 0)
+    torch.testing.assert_close(output, stack.inference_step(token, cache, 4), rtol=0, atol=1e-6)
+
+
+def test_push_frames_in_flight_are_bounded_by_bytes_whatever_the_number_of_streams(stack):
+    """Attack 6: the attacker's own session names the attacker as its push source, and 16 push streams each
+    announce a frame as large as one step of it. What the server reads and holds of them is at most one step's
+    frame for that session (the allowance): the others wait unread until it lets go, then are read in turn."""
+    async def scenario(handler, talk):
+        owner_reader, _ = await open_pushed_session(talk)
+        receiver = handler.push_receiver
+        allowance = receiver.allowance(PUSHER.peer_id)
+        assert allowance == receiver.frame_limit(PUSHER.peer_id) > 10_000
+        streams = [talk("push", PUSHER) for _ in range(16)]
+        for reader, _, _ in streams:
+            reader.feed_data(allowance.to_bytes(8, "big") + b"\0" * 4096)  # a whole step's frame, 4 KiB of it sent
+        peak = 0
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            peak = max(peak, receiver.budget.held[PUSHER.peer_id])
+        waiting = len(receiver.running)  # nothing runs: the one frame read is incomplete
+        for reader, _, _ in streams:
+            reader.feed_eof()
+        owner_reader.feed_data(framed(CloseSession()))
+        return allowance, peak, waiting
+
+    allowance, peak, running = serve(stack, scenario)
+    assert peak == allowance  # one frame's worth held, the first stream's; the other 15 wait, unread
+    assert running == 0

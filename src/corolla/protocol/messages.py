@@ -281,14 +281,26 @@ class StepResult(_Message):
     receipt: PushReceipt | None = None  # a pushed step: the pusher's receipt of the input this answer was computed from
 
 
+class PushRefusal(StrEnum):
+    """Why a server refused a step pushed over a link its session's owner named (PushRefused.cause)."""
+
+    INPUT = "input"  # the receipt checks out, but the step does not fit the session (not finite, shape, positions)
+    RECEIPT = "receipt"  # the receipt does not describe this push, or is not the pusher's signature over the link
+    DIGEST = "digest"  # the pusher's genuine receipt (its signature checks) signs other tensors than those that arrived
+    STALE = "stale"  # the step id is not newer than a step the session ran already (a replay or a rewrite)
+
+
 class PushRefused(_Message):
-    """On a session owner's stream: a step pushed into the session was refused (its input was not finite, or did not
-    fit the session), with the pusher's `receipt` of it; the session is unchanged and stays open."""
+    """On a session owner's stream, as soon as the push is refused: a step pushed into the session over the link the
+    owner named was not run (`cause`, and `reason` in words), with the pusher's `receipt` as it arrived (checked only
+    for cause INPUT and STALE); the session is unchanged and stays open. A push over a link no session names has no
+    owner to tell: it is refused to its pusher only."""
 
     kind: Literal["push_refused"] = "push_refused"
-    step_id: int
+    step_id: int  # the id the push carried
     reason: str = Field(max_length=1000)
     receipt: PushReceipt
+    cause: PushRefusal = PushRefusal.INPUT
 
 
 class CloseSession(_Message):

@@ -137,19 +137,28 @@ class InferenceRpc:
         return result
 
     async def run_step(
-        self, session: ServerSession, message: InferenceStep, tensors: Mapping[str, torch.Tensor]
+        self,
+        session: ServerSession,
+        message: InferenceStep,
+        tensors: Mapping[str, torch.Tensor],
+        pushed: bool = False,
     ) -> tuple[StepResult, torch.Tensor]:
-        """Check, plan and run one inference step of `session`, wherever it came from; returns the answer and the
-        blocks' output (B, T, H) in the dtype it was sent in. A step from an earlier position rolls the session
-        back first. Steps run in the order of their ids (the owner numbers them; a pushed step keeps its id): one
-        older than the last one run is refused, so a push that arrives after the owner sent a newer step itself (a
-        relayed retry, a failover) cannot overwrite what that step wrote. Raises RequestError for a step this
-        session cannot take."""
+        """Check, plan and run one inference step of `session`, wherever it came from (`pushed`: the previous server
+        pushed it); returns the answer and the blocks' output (B, T, H) in the dtype it was sent in. A step from an
+        earlier position rolls the session back first.
+
+        Steps run in the order of their ids (the owner numbers them from one counter; a pushed step keeps the id the
+        owner gave it). The owner's own step may not be older than the last one run, so a push that arrives after the
+        owner sent a newer step itself (a relayed retry, a failover) cannot overwrite what that step wrote; a pushed
+        step must be strictly newer than every step the session ran, so the upstream server cannot replay or rewrite
+        a step the owner already had answered (its answer would carry an id the owner has read past). Raises
+        StaleStep for a step out of order, RequestError for any other step this session cannot take."""
         parts = self.parts
-        if message.step_id < session.last_step_id:
-            raise RequestError(
+        if message.step_id < session.last_step_id or (pushed and message.step_id == session.last_step_id):
+            raise StaleStep(
                 ErrorCode.BAD_REQUEST,
-                f"step {message.step_id} arrived after step {session.last_step_id}: a session's steps run in order",
+                f"step {message.step_id} arrived after step {session.last_step_id}: a session's steps run in order"
+                + (" and a pushed step must be newer than every step run" if pushed else ""),
             )
         step = parts.checks.step(
             message,
@@ -162,6 +171,10 @@ class InferenceRpc:
         output = await parts.compute.step(session, step, plan(step, session, parts.limits))
         session.advance(step)
         return StepResult(step_id=step.step_id, position=session.position), output.to(step.hidden.dtype)
+
+
+class StaleStep(RequestError):
+    """A step whose id is not newer than the session's steps allow (see InferenceRpc.run_step)."""
 
 
 def answered(live: LiveSession, message: InferenceStep | PushStep, output: torch.Tensor) -> torch.Tensor:

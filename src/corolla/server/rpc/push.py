@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +31,7 @@ from hivemind.p2p import PeerID
 from corolla.protocol import rpc_handler_name
 from corolla.protocol.codecs import roundtrip
 from corolla.protocol.framing import abort_stream, read_frame, write_frame
-from corolla.protocol.messages import ErrorCode, ErrorReply, Message, PushSource, PushStep, PushTarget
+from corolla.protocol.messages import ErrorCode, ErrorReply, Message, PushRefusal, PushSource, PushStep, PushTarget
 from corolla.protocol.receipts import receipt_signed, sign_receipt, tensor_digest
 from corolla.protocol.signing import PeerKey
 from corolla.server.rpc.sessions import ServerSession
@@ -58,9 +58,10 @@ class PushLinks:
     secret for pushes going out. Each link belongs to the first session that claimed it: a peer that learned another
     client's secret can neither receive that client's pushes here nor have this server push over that link for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
         self._by_source: dict[tuple[str, str], LiveSession] = {}
         self._by_target: dict[str, LiveSession] = {}
+        self.on_change = on_change  # told whenever a session starts or stops accepting pushes from some peer
 
     def set_source(self, live: LiveSession, source: PushSource | None) -> None:
         """Make `live` accept pushes from `source` only (None: from nobody). RequestError if another open session
@@ -74,6 +75,8 @@ class PushLinks:
         live.source = source
         if source is not None:
             self._by_source[(source.peer_id, source.secret)] = live
+        if self.on_change is not None:
+            self.on_change()
 
     def set_target(self, live: LiveSession, target: PushTarget | None) -> None:
         """Make `live` push its outputs to `target` (None: nowhere). RequestError if another open session already
@@ -97,6 +100,8 @@ class PushLinks:
     def _drop_source(self, live: LiveSession) -> None:
         if live.source is not None and self._by_source.get((live.source.peer_id, live.source.secret)) is live:
             del self._by_source[(live.source.peer_id, live.source.secret)]
+            if self.on_change is not None:
+                self.on_change()
 
     def accepting(self, peer: str) -> list[LiveSession]:
         """The sessions that accept pushes from `peer` (to bound what it may send before it is authorized)."""
@@ -124,21 +129,30 @@ def outgoing_push(key: PeerKey, target: PushTarget, step_id: int, position: int,
     return message, tensors
 
 
-def push_receipt_problem(message: PushStep, tensors: Mapping[str, torch.Tensor], *, pusher: str, receiver: str
-                         ) -> str | None:
+def push_receipt_refusal(message: PushStep, tensors: Mapping[str, torch.Tensor], *, pusher: str, receiver: str
+                         ) -> tuple[PushRefusal, str] | None:
     """None if the push's receipt is `pusher`'s signature of exactly this step, to us, of the tensors received; else
-    what is wrong. A receiving server checks this before it runs a push, so the receipt it hands the owner always
-    tells what it was given (the owner could not tell a bad receipt from its receiver lying)."""
+    why not (RECEIPT: it does not describe this push or is not the pusher's signature; DIGEST: the tensors are not the
+    ones it signs) and what is wrong. A receiving server checks this before it runs a push, so the receipt it hands the
+    owner with an answer always tells what it was given (the owner could not tell a bad receipt from its receiver
+    lying)."""
     receipt = message.receipt
     if (receipt.pusher, receipt.receiver, receipt.step_id, receipt.position, receipt.hypo_ids, receipt.push,
             receipt.answer) != (pusher, receiver, message.step_id, message.position, message.hypo_ids, message.push,
                                 message.answer):
-        return "the receipt does not describe this push"
-    if receipt.digest != tensor_digest(tensors["hidden"], tensors.get("attention_mask")):
-        return "the receipt's digest is not the digest of the tensors pushed"
+        return PushRefusal.RECEIPT, "the receipt does not describe this push"
     if not receipt_signed(receipt, message.secret):
-        return f"the receipt is not {pusher}'s signature"
+        return PushRefusal.RECEIPT, f"the receipt is not {pusher}'s signature"
+    if receipt.digest != tensor_digest(tensors["hidden"], tensors.get("attention_mask")):
+        return PushRefusal.DIGEST, "the receipt's digest is not the digest of the tensors pushed"
     return None
+
+
+def push_receipt_problem(message: PushStep, tensors: Mapping[str, torch.Tensor], *, pusher: str, receiver: str
+                         ) -> str | None:
+    """What `push_receipt_refusal` finds wrong with a push's receipt, in words; None if nothing."""
+    refusal = push_receipt_refusal(message, tensors, pusher=pusher, receiver=receiver)
+    return None if refusal is None else refusal[1]
 
 
 class PushPool:
