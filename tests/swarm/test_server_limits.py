@@ -39,13 +39,16 @@ def limited(tiny_llama_path, tmp_path_factory):
     with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("c"))}) as local:
         swarm = start_named_servers(local, tiny_llama_path, {"server": LIMIT_ARGS})
         node = LoopNode(swarm.peers)
-        honest = None
+        honest = accomplice = None
         try:
             honest = node.run(create_swarm_node(swarm.peers, client_mode=True), timeout=120)
+            accomplice = node.run(create_swarm_node(swarm.peers, client_mode=True), timeout=120)
+            node.accomplice = accomplice  # the attacker's second identity
             yield swarm, node, honest, log_path
         finally:
-            if honest is not None:
-                node.run(honest.shutdown(), timeout=60)
+            for other in (honest, accomplice):
+                if other is not None:
+                    node.run(other.shutdown(), timeout=60)
             node.close()
 
 
@@ -64,9 +67,14 @@ def server_lets_go_of_everything(limited):
     assert not log_problems(log_path.read_text()), "\n".join(log_problems(log_path.read_text())[:20])
 
 
-def test_an_honest_session_is_not_kept_waiting_behind_a_peer_queueing_for_the_whole_cache(limited):
+@pytest.mark.parametrize("queue_first", [False, True])
+def test_an_honest_session_is_not_kept_waiting_behind_a_peer_queueing_for_the_whole_cache(limited, queue_first):
+    """Attack 5 in its strongest form: two identities, one holding a token, the other queueing for the whole cache;
+    the honest peer asks after the queue's patience (5 s) ran out, and is admitted at once, in either order (the
+    token taken before the big request, or taken again after it and the first let go)."""
     swarm, node, honest, _ = limited
-    result = node.run(cache_queue_attack(node.p2p, honest.p2p, swarm.peer_ids["server"], wait=10.0))
+    result = node.run(cache_queue_attack(node.p2p, honest.p2p, swarm.peer_ids["server"], wait=10.0, after=6.0,
+                                         queue_first=queue_first, accomplice=node.accomplice.p2p))
     assert not result.succeeded, result.details
     assert "ok:session_opened" in result.details
 

@@ -108,9 +108,9 @@ class ServerConfig:
     cache_queue_patience: float = field(
         default=5.0,
         metadata=_opt(
-            "a session waiting for cache is overtaken by later ones that fit for this long at most; after "
-            "that, nothing that came after it gets cache before it (no starvation of large sessions), "
-            "seconds"
+            "a session waiting for cache is overtaken by later ones that fit for this long; after that, for as "
+            "long again at most, later sessions of peers already holding cache wait behind it, if those that "
+            "overtook it are what keeps it out (no starvation of large sessions; 0: plain first fit), seconds"
         ),
     )
     # per-peer limits (server.rpc.peer_limits): what one peer id may hold of this server at once

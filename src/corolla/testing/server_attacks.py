@@ -4,8 +4,9 @@ Each attack is an async function given the attacker's P2P node (and, where one i
 same event loop), the target server's peer id and optionally its process id (to watch its memory and sockets); it
 returns an `AttackResult` whose `succeeded` says whether the server was hurt beyond its per-peer limits:
 
-- `cache_queue_attack`: hold 1 cache token, queue a session for the whole budget, and see whether an honest peer's
-  session is kept waiting behind it (head-of-line blocking of a strict FIFO queue);
+- `cache_queue_attack`: hold 1 cache token, queue a session for the whole budget (two identities, in either order,
+  past the queue's patience), and see whether an honest peer's session is kept waiting behind it (head-of-line
+  blocking);
 - `probe_attack`: ask for bandwidth-probe replies of up to 64 MiB on several streams and never read them, watching
   the server's memory and whether it drops the streams;
 - `pass_attack`: announce a huge rpc_forward frame, and send a forward of batch x length far past one training chunk;
@@ -160,23 +161,35 @@ def _whole_budget(total: int, max_length: int) -> tuple[int, int] | None:
 
 # ---------------------------------------------------------------- 1. the cache queue
 async def cache_queue_attack(
-    attacker: P2P, honest: P2P, server: str, honest_length: int = 64, wait: float = 10.0
+    attacker: P2P,
+    honest: P2P,
+    server: str,
+    honest_length: int = 64,
+    wait: float = 10.0,
+    after: float = 0.0,
+    queue_first: bool = False,
+    accomplice: P2P | None = None,
 ) -> AttackResult:
-    """The attacker holds a 1-token session and queues a session for the server's whole budget (which can only ever
-    fit once the attacker lets go of its token); then the honest peer opens a session of `honest_length` tokens,
-    waiting up to `wait` seconds. Succeeded: the honest session was refused or waited more than wait / 2."""
+    """Two identities: one holds a 1-token session, the other queues a session for the server's whole budget (which
+    can only ever fit once the first lets go of its token); `after` seconds later (past the server's queue patience,
+    for the strongest form) the honest peer opens a session of `honest_length` tokens, waiting up to `wait` seconds.
+    `queue_first`: the token is taken again after the whole-budget request was queued, and the first one let go (so
+    what keeps the request out was granted after it: the form that can earn it the queue's protection).
+    `accomplice`: the second identity (default: the attacker's own node, one identity). Succeeded: the honest session
+    was refused or waited more than 2 s."""
     info = (await _info(honest, server)).info
     blocks = BlockRange(start=info.start_block, end=info.end_block)
     shape = _whole_budget(info.cache_tokens_total, info.max_session_length)
     if shape is None:
         return AttackResult("cache_queue", False, f"no session shape takes exactly {info.cache_tokens_total} tokens")
+    queuer = accomplice or attacker
     streams: list[Stream] = []
     try:
         hold, outcome, _ = await open_session(attacker, server, blocks, max_length=1)
         streams.append(hold)
         if outcome != "ok:session_opened":
             return AttackResult("cache_queue", False, f"the attacker's 1-token session was refused: {outcome}")
-        queued = await open_stream(attacker, server, "inference")
+        queued = await open_stream(queuer, server, "inference")
         streams.append(queued)
         await write_frame(
             queued[1],
@@ -185,10 +198,17 @@ async def cache_queue_attack(
                 blocks=blocks,
                 max_length=shape[1],
                 batch_size=shape[0],
-                alloc_timeout=3 * wait,
+                alloc_timeout=3 * wait + after,
             ),
         )
         early, _ = await answer_kind(queued[0], 1.0)  # queued (silent), or refused at once
+        if queue_first:
+            again, outcome, _ = await open_session(attacker, server, blocks, max_length=1)
+            streams.append(again)
+            if outcome != "ok:session_opened":
+                return AttackResult("cache_queue", False, f"the attacker's second 1-token session was refused: {outcome}")
+            drop([streams.pop(0)])  # the first token is let go: only the overtaker keeps the request out
+        await asyncio.sleep(max(0.0, after - 1.0))
         begin = time.monotonic()
         mine, outcome, message = await open_session(
             honest, server, blocks, max_length=honest_length, alloc_timeout=wait, wait=wait + 30
@@ -197,13 +217,15 @@ async def cache_queue_attack(
         streams.append(mine)
     finally:
         drop(streams)
-    hurt = outcome != "ok:session_opened" or waited > wait / 2
+    hurt = outcome != "ok:session_opened" or waited > 2.0
+    order = "holding 1 token, queued for"
     return AttackResult(
         "cache_queue",
         hurt,
-        f"attacker queued {shape[0]} x {shape[1]} = {info.cache_tokens_total} "
-        f"tokens behind its 1 ({early} after 1 s); the honest {honest_length}-token session: {outcome} "
-        f"after {waited:.2f}s {message}".strip(),
+        f"{'two identities' if accomplice else 'one identity'} {order} {shape[0]} x {shape[1]} = "
+        f"{info.cache_tokens_total} tokens ({early} after 1 s){', then took 1 token again and let the first go' if queue_first else ''}; "
+        f"{after:.0f} s later the honest {honest_length}-token session: {outcome} after {waited:.2f}s "
+        f"{message}".strip(),
     )
 
 

@@ -3,7 +3,8 @@ loop. The decisions (what is refused at once, what is granted when) are server.c
 the queue and wakes the waiters it grants.
 
 A waiter is looked at again whenever something could let it in: a reservation released, a waiter leaving, a new
-request arriving. Time passing alone never frees tokens, so it never triggers a grant.
+request arriving, and a protection window ending (the protected request no longer holds the others back). Time
+passing alone frees no tokens, so nothing else triggers a grant.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import time
 from typing import Protocol
 
-from corolla.server.cache.queue import CacheRequest, grants, peer_limit, refusal
+from corolla.server.cache.queue import CacheRequest, grants, peer_limit, refusal, window_end
 from corolla.server.cache.budget import CacheBudget
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,9 @@ class CacheAllocator:
         self.patience = patience
         self.peer_limit = peer_limit(total_tokens, peer_share)
         self._waiters: list[tuple[CacheRequest, asyncio.Future[None]]] = []  # oldest first
+        self._granted: dict[str, tuple[float, int]] = {}  # owner -> (when granted, tokens), of reservations held
+        self.lapse = float("-inf")  # when the last protection window ended with its request still waiting
+        self._window_timer: asyncio.TimerHandle | None = None  # the next window's end: look at the queue again
 
     def refusal(self, tokens: int) -> str | None:
         """Why a request for `tokens` would be refused at once (cache_queue.refusal), or None if it may wait."""
@@ -90,6 +94,7 @@ class CacheAllocator:
     def release(self, owner: str) -> None:
         """Free the owner's tokens and hand them to the waiters that fit now."""
         self.budget.release(owner)
+        self._granted.pop(owner, None)
         self._grant()
 
     def _leave(self, entry: tuple[CacheRequest, asyncio.Future[None]]) -> None:
@@ -98,12 +103,28 @@ class CacheAllocator:
 
     def _grant(self) -> None:
         live = [(request, future) for request, future in self._waiters if not future.done()]
+        now = time.monotonic()
+        for request, _ in live:  # a window that ended with its request still waiting: no chaining (cache.queue, 1.)
+            if window_end(request, self.patience) <= now:
+                self.lapse = max(self.lapse, window_end(request, self.patience))
         chosen = set(grants(self.budget.free, self.budget.holdings(), self.peer_limit, [request for request, _ in live],
-                            time.monotonic(), self.patience))
+                            now, self.patience, list(self._granted.values()), self.lapse))
         for entry in live:
             request, future = entry
             if request.owner in chosen:
                 reserved = self.budget.try_reserve(request.owner, request.tokens, request.peer)
                 assert reserved, "cache_queue.grants chose a request that does not fit"
+                self._granted[request.owner] = (now, request.tokens)
                 self._leave(entry)
                 future.set_result(None)
+        self._schedule_window_end(now)
+
+    def _schedule_window_end(self, now: float) -> None:
+        """Look at the queue again when the next protection window of a waiter ends (it may let others in)."""
+        ends = [window_end(request, self.patience) for request, future in self._waiters if not future.done()]
+        ends = [end for end in ends if end > now]
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+            self._window_timer = None
+        if ends and self.patience > 0:
+            self._window_timer = asyncio.get_running_loop().call_later(min(ends) - now + 1e-3, self._grant)
