@@ -118,3 +118,19 @@ def test_rpc_info_names_the_model_without_the_servers_local_checkpoint_path(limi
     swarm, node, honest, _ = limited
     reply = node.run(request_info(honest.p2p, swarm.peer_ids["server"]))
     assert reply.model == "tiny-llama" and tiny_llama_path not in reply.model_dump_json()
+
+
+def test_push_frames_a_session_names_itself_for_hold_one_steps_worth_whatever_the_number_of_streams(limited):
+    """Attack 6: the attacker's own session (32 x 1,024 tokens: its whole cache share) names the attacker as its push
+    source, and 16 push streams each send a frame as large as one step of it (~10 MB), never completing them. The
+    server holds one such frame at a time (the others wait unread), not 16."""
+    from corolla.testing.push_attacks import push_frame_flood
+
+    swarm, node, honest, _ = limited
+    proc = swarm.procs["server"]
+    flood = node.run(push_frame_flood(node.node, swarm.peer_ids["server"], proc.pid, (0, 4), hidden_size=64,
+                                      batch_size=32, max_length=1024, streams=16, hold=6.0))
+    grown = flood.rss_peak - flood.rss_before
+    frame_mib = flood.frame_bytes / 2**20
+    assert grown < 2 * frame_mib + 16, f"{flood}: grew {grown:.0f} MiB for frames of {frame_mib:.0f} MiB"
+    assert flood.sent >= flood.frame_bytes - 1  # the flood reached the server: one whole frame (but its last byte)
