@@ -21,9 +21,9 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass
 
 from corolla.client.config import ClientConfig
+from corolla.client.swarm.bans import Ban, banned_peers, next_ban, retry_delay
 from corolla.client.swarm.routing import (Span, find_route, measured_speed, sample_route, uncovered_blocks, usable_servers,
                                     with_codec)
 from corolla.dht import SwarmNode, fetch_block_servers
@@ -44,13 +44,6 @@ def is_retryable(error: Exception) -> bool:
     return isinstance(error, PeerUnavailable) or (isinstance(error, RemoteError) and error.code in RETRYABLE_CODES)
 
 
-@dataclass
-class _Ban:
-    until: float
-    failures: int
-    unreachable: bool
-
-
 class SequenceManager:
     def __init__(self, node: SwarmNode, prefix: str, num_blocks: int, config: ClientConfig):
         self.node = node
@@ -62,7 +55,7 @@ class SequenceManager:
         self.rtts: dict[str, float] = {}  # peer id -> smoothed round trip, seconds
         self.speeds: dict[str, float] = {}  # peer id -> smoothed measured throughput, tokens/s per block
         self._measured_at: dict[str, float] = {}
-        self._bans: dict[str, _Ban] = {}
+        self._bans: dict[str, Ban] = {}
         # spot checks (client.trust.spot_checks): peers caught returning wrong outputs, never routed through again
         self.distrusted: set[str] = set()
         self._stale = False  # set by invalidate(): re-read the DHT at the next update
@@ -150,8 +143,7 @@ class SequenceManager:
 
     # ------------------------------------------------------------------ bans
     def banned(self, unreachable_only: bool = False) -> set[str]:
-        now = time.monotonic()
-        banned = {p for p, ban in self._bans.items() if ban.until > now and (ban.unreachable or not unreachable_only)}
+        banned = banned_peers(self._bans, time.monotonic(), unreachable_only)
         return banned | self.distrusted  # spot checks: a liar is skipped even as a block's only server
 
     def ban(self, peer_id: str, unreachable: bool = False, at_least: float = 0.0) -> None:
@@ -160,17 +152,15 @@ class SequenceManager:
 
         `unreachable=True` (the peer could not be dialed) makes routes skip it even when it is a block's only server.
         """
-        ban = self._bans.get(peer_id)
-        failures = ban.failures + 1 if ban else 1
-        duration = max(at_least, min(self.config.max_backoff, self.config.min_backoff * 2 ** (failures - 1)))
-        if unreachable:
-            duration = max(duration, self.config.unreachable_ban)
-        self._bans[peer_id] = _Ban(until=time.monotonic() + duration, failures=failures, unreachable=unreachable)
+        now, config = time.monotonic(), self.config
+        ban = next_ban(self._bans.get(peer_id), now, config.min_backoff, config.max_backoff, unreachable,
+                       config.unreachable_ban, at_least)
+        self._bans[peer_id] = ban
         logger.info(
             "banned peer=%s for %.1fs after %d failure(s)%s",
             peer_id,
-            duration,
-            failures,
+            ban.until - now,
+            ban.failures,
             " (unreachable)" if unreachable else "",
         )
         if not unreachable:
@@ -218,9 +208,11 @@ class SequenceManager:
         return failures
 
     async def backoff(self, failures: int) -> None:
-        """Retries after the first failure go at once (to a replica); later ones wait longer and re-read the swarm."""
-        if failures > 1:
-            await asyncio.sleep(min(self.config.min_backoff * (failures - 1), 5.0))
+        """Retries after the first failure go at once (to a replica); later ones wait longer (bans.retry_delay) and
+        re-read the swarm."""
+        delay = retry_delay(failures, self.config.min_backoff)
+        if delay > 0:
+            await asyncio.sleep(delay)
         await self.update(force=failures > 1)
 
     def forgive(self, peer_id: str) -> None:
