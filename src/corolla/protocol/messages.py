@@ -30,6 +30,8 @@ Codec = Literal["none", "bf16", "fp16", "int8", "4bit"]  # activations on the wi
 MIN_SECRET, MAX_SECRET = 16, 64  # characters of a push secret (a random hex string the session's owner chose)
 MAX_NEXT_PINGS = 16  # next-hop round trips a server may announce (ServerInfo.next_pings)
 MAX_PING_SECONDS = 60.0  # the longest round trip a server may announce; a longer one is a broken link, not a ping
+MAX_LOAD_SESSIONS = 1 << 20  # sessions a server may announce open or waiting (ServerInfo.sessions, .queued)
+MAX_STEP_SECONDS = 600.0  # the longest per-block decode step a server may announce (ServerInfo.step_seconds)
 
 
 
@@ -111,6 +113,12 @@ class ServerInfo(_Message):
         Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)],
         Annotated[float, Field(ge=0.0, le=MAX_PING_SECONDS, allow_inf_nan=False)],
     ] = Field(default_factory=dict, max_length=MAX_NEXT_PINGS)
+    # load, so that clients spread their sessions (client.swarm.routing): inference sessions open now, sessions
+    # waiting for cache room, and the median seconds per block its recent decode steps took from queueing to result
+    # (server.presence.load; 0 = none lately); all 0 in records of servers that predate them
+    sessions: int = Field(default=0, ge=0, le=MAX_LOAD_SESSIONS)
+    queued: int = Field(default=0, ge=0, le=MAX_LOAD_SESSIONS)
+    step_seconds: float = Field(default=0.0, ge=0.0, le=MAX_STEP_SECONDS, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check_range(self) -> ServerInfo:

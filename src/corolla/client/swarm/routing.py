@@ -28,6 +28,20 @@ What a server announces about itself steers routes only as far as the client's o
 - cache_tokens_free: a lie attracts sessions the server then refuses (server_full: banned and routed around), so
   it costs the liar, not the client; the value is capped at the announced total.
 
+Load: a server announces how busy it is (ServerInfo.sessions, .queued, .step_seconds). A block of it is priced at
+the larger of 1 / believed throughput and its announced `step_seconds` (what its recent decode steps took per block,
+queueing behind a full batch included), so a busy server costs what it now delivers, not what it does idle; each
+session it announces waiting for cache room adds QUEUED_SESSION_COST. Announcements are up to a period old, so
+prices alone would send every client that reads one view to the same cheapest server. A client that passes an
+`rng` therefore routes through a sample of the swarm (`draw_candidates`, the "power of d choices"): walking from
+the first block, it draws `candidates` holders of the block it has reached (with probability rising steeply with
+how many blocks they serve per second of price from there, so near and idle servers are drawn most), and goes on
+from the farthest block they reach; the route is the cheapest one through the servers drawn, each priced up to
+PRICE_JITTER higher at random (so that servers within a few percent of each other share sessions). Two clients with the
+same view mostly take different, near-cheapest routes; a block that has a usable server keeps one in every sample,
+so sampling never makes a route impossible. It also bounds the work: Dijkstra over thousands of servers took ~2 s
+per push route; over a sample it takes milliseconds. A session keeps the route it chose until a server on it fails.
+
 Forward/backward passes carry no state, so `sample_route` spreads them over servers in proportion to (believed)
 throughput.
 """
@@ -43,6 +57,10 @@ from corolla.protocol.messages import ServerInfo, ServerState
 
 FULL_CACHE_PENALTY = 1e3  # seconds: use a server without room only when nothing else covers those blocks
 ANNOUNCED_SPEEDUP = 2.0  # how much faster than the client measured it a server's announced throughput may be
+QUEUED_SESSION_COST = 1.0  # seconds charged per session a server announces waiting for cache room
+CANDIDATES_PER_BLOCK = 3  # servers drawn at each step of the candidate walk (`draw_candidates`)
+DRAW_SHARPNESS = 3.0  # a holder is drawn with weight (blocks it serves per second of its price) ** this
+PRICE_JITTER = 0.05  # a sampled route prices each drawn server up to this fraction higher, at random
 
 
 def measured_speed(seconds: float, rtt: float | None, blocks: int, tokens: int) -> float | None:
@@ -108,22 +126,67 @@ def _check_range(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, 
         raise ValueError(f"bad block range {start}:{end} for {len(block_servers)} blocks")
 
 
+def block_price(info: ServerInfo, measured: float | None = None) -> float:
+    """Seconds a token of a new session should expect per block of this server: its compute at its believed
+    throughput (`believed_throughput` with the client's `measured` speed), or its announced step_seconds (recent
+    decode steps per block, queueing included) when that is more."""
+    return max(1.0 / max(believed_throughput(info.throughput, measured), 1e-9), info.step_seconds)
+
+
 @dataclass(frozen=True)
 class _Server:
     """A usable server as route finding prices it (the network aside, which relay and push routes price apart)."""
 
-    fixed: float  # seconds charged per span: hop overhead, cache and relay penalties
-    per_block: float  # seconds of compute per block, at its announced throughput
+    fixed: float  # seconds charged per span: hop overhead, cache, queue and relay penalties
+    per_block: float  # seconds per block per token (`block_price`)
     stop: int  # end of its range within the route's
+    first: int  # start of its range within the route's
 
 
-def _usable(
-    block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, banned: frozenset[str] | set[str],
-    cache_tokens_needed: int, hop_cost: float, adapter: str | None, allowed_quant: Collection[str] | None,
-    relay_cost: float, measured: Mapping[str, float],
-) -> tuple[dict[str, _Server], dict[int, list[str]], dict[str, ServerInfo]]:
-    """The usable servers of [start, end): peer -> its prices (at its believed throughput), block -> the peers
-    holding it (by peer id), and peer -> its record."""
+@dataclass
+class RouteIndex:
+    """The usable servers of [start, end) of one view, priced for one client: built once (`route_index`, one pass
+    over the view) and routed through any number of times (`find_route_in`). Holds peer -> prices, block -> the
+    peers holding it (by peer id), peer -> record, and the client's round trips."""
+
+    start: int
+    end: int
+    servers: dict[str, _Server]
+    holders: dict[int, list[str]]
+    records: dict[str, ServerInfo]
+    rtts: Mapping[str, float]
+    default_rtt: float
+    _draws: dict[int, tuple[list[str], list[float]]] | None = None  # block -> holders, cumulative draw weights
+
+    def rtt(self, peer: str) -> float:
+        return self.rtts.get(peer, self.default_rtt)
+
+    def draw_weights(self, block: int) -> tuple[list[str], list[float]]:
+        """Holders of `block` and their cumulative draw weights (see the module docstring), computed once."""
+        if self._draws is None:
+            self._draws = {}
+        found = self._draws.get(block)
+        if found is None:
+            peers = self.holders.get(block, [])
+            total, cumulative = 0.0, []
+            for peer in peers:
+                server = self.servers[peer]
+                reach = server.stop - block
+                total += (reach / (server.fixed + self.rtt(peer) + server.per_block * reach)) ** DRAW_SHARPNESS
+                cumulative.append(total)
+            found = self._draws[block] = (peers, cumulative)
+        return found
+
+
+def route_index(
+    block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, *,
+    banned: frozenset[str] | set[str] = frozenset(), cache_tokens_needed: int = 0, hop_cost: float = 0.002,
+    rtts: Mapping[str, float] | None = None, default_rtt: float = 0.0, adapter: str | None = None,
+    allowed_quant: Collection[str] | None = None, relay_cost: float = 0.0, measured: Mapping[str, float] | None = None,
+) -> RouteIndex:
+    """The usable servers of [start, end) priced for one client (arguments as `find_route`'s)."""
+    _check_range(block_servers, start, end)
+    measured = measured or {}
     servers: dict[str, _Server] = {}
     holders: dict[int, list[str]] = {}
     records: dict[str, ServerInfo] = {}
@@ -134,10 +197,43 @@ def _usable(
                 records[peer] = info
                 free = min(info.cache_tokens_free, info.cache_tokens_total)
                 fixed = hop_cost + (FULL_CACHE_PENALTY if free < cache_tokens_needed else 0.0)
-                fixed += relay_cost if info.relayed else 0.0
-                throughput = believed_throughput(info.throughput, measured.get(peer))
-                servers[peer] = _Server(fixed, 1.0 / max(throughput, 1e-9), min(info.end_block, end))
-    return servers, holders, records
+                fixed += (relay_cost if info.relayed else 0.0) + QUEUED_SESSION_COST * info.queued
+                servers[peer] = _Server(fixed, block_price(info, measured.get(peer)), min(info.end_block, end),
+                                        max(info.start_block, start))
+    return RouteIndex(start, end, servers, holders, records, rtts or {}, default_rtt)
+
+
+def draw_candidates(index: RouteIndex, start: int, end: int, rng: random.Random,
+                    candidates: int = CANDIDATES_PER_BLOCK) -> set[str]:
+    """The servers a sampled route may go through (see the module docstring): from `start`, `candidates` draws
+    among the holders of the block reached (all of them when there are no more), then on from the farthest block
+    those drawn reach, until `end`. A block with no holder is stepped over (no route exists then anyway)."""
+    chosen: set[str] = set()
+    block = start
+    while block < end:
+        peers, cumulative = index.draw_weights(block)
+        if not peers:
+            block += 1
+            continue
+        drawn = set(peers) if len(peers) <= candidates else set(rng.choices(peers, cum_weights=cumulative,
+                                                                            k=candidates))
+        chosen |= drawn
+        block = max(index.servers[peer].stop for peer in drawn)
+    return chosen
+
+
+def _jittered(server: _Server, factor: float) -> _Server:
+    return _Server(server.fixed * factor, server.per_block * factor, server.stop, server.first)
+
+
+def _restricted(index: RouteIndex, start: int, end: int, chosen: set[str]) -> dict[int, list[str]]:
+    """block -> the peers of `chosen` holding it, by peer id (as the full index lists them)."""
+    holders: dict[int, list[str]] = {}
+    for peer in sorted(chosen):
+        server = index.servers[peer]
+        for block in range(max(server.first, start), min(server.stop, end)):
+            holders.setdefault(block, []).append(peer)
+    return holders
 
 
 def find_route(
@@ -155,6 +251,8 @@ def find_route(
     relay_cost: float = 0.0,
     push: bool = False,
     measured: Mapping[str, float] | None = None,
+    rng: random.Random | None = None,
+    candidates: int = CANDIDATES_PER_BLOCK,
 ) -> list[Span] | None:
     """Cheapest chain of spans covering [start, end), or None when some block has no usable server.
 
@@ -166,15 +264,35 @@ def find_route(
     -> client, with the server-to-server round trips servers announce; see the module docstring), `push=False` as
     a relayed one (a client round trip per span). `measured` maps peer id -> the throughput the client measured
     (tokens/s per block, `measured_speed`); announced throughputs and next_pings are believed only as far as the
-    client's measurements allow (see the module docstring). Ties are broken towards fewer hops, then by peer id, so
-    equal inputs give equal routes.
+    client's measurements allow (see the module docstring). Servers are priced by their announced load too
+    (`block_price`, QUEUED_SESSION_COST). With an `rng`, the route goes through a sample of the swarm drawn with it
+    (`draw_candidates`, `candidates` draws per step): pass the client's own generator, so that clients reading the
+    same view spread over near-cheapest servers. Ties are broken towards fewer hops, then by peer id, so equal
+    inputs (and equal `rng` states) give equal routes.
     """
-    rtts = rtts or {}
-    _check_range(block_servers, start, end)
-    servers, holders, records = _usable(block_servers, start, end, banned, cache_tokens_needed, hop_cost, adapter,
-                                        allowed_quant, relay_cost, measured or {})
+    index = route_index(block_servers, start, end, banned=banned, cache_tokens_needed=cache_tokens_needed,
+                        hop_cost=hop_cost, rtts=rtts, default_rtt=default_rtt, adapter=adapter,
+                        allowed_quant=allowed_quant, relay_cost=relay_cost, measured=measured)
+    return find_route_in(index, start, end, push=push, rng=rng, candidates=candidates)
+
+
+def find_route_in(index: RouteIndex, start: int, end: int, *, push: bool = False, rng: random.Random | None = None,
+                  candidates: int = CANDIDATES_PER_BLOCK) -> list[Span] | None:
+    """`find_route` over a prebuilt `route_index` (which must cover [start, end)): the cheapest route through all
+    of its servers, or, with an `rng`, through those `draw_candidates` draws."""
+    if not index.start <= start < end <= index.end:
+        raise ValueError(f"blocks {start}:{end} are outside the index's {index.start}:{index.end}")
+    servers, records, rtts = index.servers, index.records, index.rtts
+    holders: Mapping[int, list[str]] = index.holders
+    if rng is not None and any(len(holders.get(b, ())) > candidates for b in range(start, end)):
+        chosen = draw_candidates(index, start, end, rng, candidates)
+        holders = _restricted(index, start, end, chosen)
+        # each drawn server's price x uniform(1, 1 + PRICE_JITTER): servers within a few percent of each other
+        # share sessions instead of the lowest peer id taking them all
+        servers = {peer: _jittered(servers[peer], 1.0 + PRICE_JITTER * rng.random()) for peer in sorted(chosen)}
     if push:
-        return _push_route(servers, holders, records, start, end, lambda peer: rtts.get(peer, default_rtt), rtts)
+        return _push_route(servers, holders, records, start, end, index.rtt, rtts)
+    default_rtt = index.default_rtt
 
     best: dict[int, tuple[float, int]] = {start: (0.0, 0)}
     previous: dict[int, tuple[int, str]] = {}
@@ -187,7 +305,7 @@ def find_route(
             continue
         edges = [(server.fixed + rtts.get(peer, default_rtt) + server.per_block * (nxt - node), peer, nxt)
                  for peer in holders.get(node, []) for server in [servers[peer]]
-                 for nxt in range(node + 1, server.stop + 1)]
+                 for nxt in range(node + 1, min(server.stop, end) + 1)]
         for edge_cost, peer, nxt in sorted(edges, key=lambda e: (e[0], e[1], -e[2])):
             candidate = (cost + edge_cost, hops + 1)
             if candidate < best.get(nxt, (float("inf"), 0)):
@@ -224,52 +342,59 @@ def _push_route(
     servers: Mapping[str, _Server], holders: Mapping[int, list[str]], records: Mapping[str, ServerInfo], start: int,
     end: int, rtt: Callable[[str], float], measured_rtts: Mapping[str, float],
 ) -> list[Span] | None:
-    """Dijkstra over states (block boundary, previous server) for a push route; see the module docstring.
+    """The cheapest push route over states (block boundary, previous server); see the module docstring.
 
     A state (b, p) is "blocks [start, b) computed, the last of them by p" (p = _CLIENT at the start). From it, p
     may go on with block b (cost: its compute of one block), or the step moves to another server q holding block b
     (cost: the one-way trip p -> q, q's fixed cost and its compute of block b; one hop more). Going block by block
     keeps the work at (blocks x servers per block x servers per block), not times the spans' lengths as well. The
-    state (end + 1, p) stands for "answer sent from p back to the client", so the finishing leg rtt(p) / 2 is part
-    of the search and the first such state popped ends the cheapest route. Heap entries are (cost, hops, block,
-    peer): equal costs go to fewer hops, then to the lower block and peer id, so the result is deterministic.
+    state (end + 1, p) stands for "answer sent from p back to the client", with the finishing leg rtt(p) / 2.
+
+    Every move goes from boundary b to b + 1, so the states form layers and one pass over them in block order finds
+    the cheapest route (Dijkstra without a heap). Within a layer, states are expanded in (cost, hops, peer) order,
+    and a state keeps the first predecessor that reached its (cost, hops): equal costs go to fewer hops, then to the
+    lower peer id, so the result is deterministic (the order Dijkstra with (cost, hops, block, peer) entries pops).
     """
-    done = end + 1
-    best: dict[tuple[int, str], tuple[float, int]] = {(start, _CLIENT): (0.0, 0)}
+    # per peer, computed once: half its round trip, its span's end, its entry price (fixed + one block)
+    peers = {peer for block in range(start, end) for peer in holders.get(block, [])}
+    half = {peer: rtt(peer) / 2 for peer in peers}
+    stop = {peer: min(servers[peer].stop, end) for peer in peers}
+    enter = {peer: servers[peer].fixed + servers[peer].per_block for peer in peers}
+    pinged = {peer for peer in peers if records[peer].next_pings}  # the others' links go through the client
     previous: dict[tuple[int, str], tuple[int, str]] = {}
-    heap: list[tuple[float, int, int, str]] = [(0.0, 0, start, _CLIENT)]
+    layer: dict[str, tuple[float, int]] = {_CLIENT: (0.0, 0)}  # prev -> (cost, hops) at boundary `node`
+    for node in range(start, end):
+        following: dict[str, tuple[float, int]] = {}
 
-    def relax(state: tuple[int, str], cost: float, hops: int, came_from: tuple[int, str]) -> None:
-        if (cost, hops) < best.get(state, (float("inf"), 0)):
-            best[state] = (cost, hops)
-            previous[state] = came_from
-            heapq.heappush(heap, (cost, hops, *state))
+        def relax(peer: str, cost: float, hops: int, came_from: str) -> None:
+            if (cost, hops) < following.get(peer, (float("inf"), 0)):
+                following[peer] = (cost, hops)
+                previous[(node + 1, peer)] = (node, came_from)
 
-    while heap:
-        cost, hops, node, prev = heapq.heappop(heap)
-        state = (node, prev)
-        if node == done:
-            return _unwind(previous, state, start)
-        if (cost, hops) > best[state]:
-            continue
-        if node == end:
-            relax((done, prev), cost + rtt(prev) / 2, hops, state)
-            continue
-        if prev != _CLIENT and node < servers[prev].stop:  # the same span goes on
-            relax((node + 1, prev), cost + servers[prev].per_block, hops, state)
-        for peer in holders.get(node, []):  # a new span starts at `node`
-            if peer != prev:
-                server = servers[peer]
-                link = rtt(peer) / 2 if prev == _CLIENT else one_way(records, rtt, prev, peer, measured_rtts)
-                relax((node + 1, peer), cost + link + server.fixed + server.per_block, hops + 1, state)
-    return None
+        for prev, (cost, hops) in sorted(layer.items(), key=lambda item: (item[1], item[0])):
+            if prev != _CLIENT and node < stop[prev]:  # the same span goes on
+                relax(prev, cost + servers[prev].per_block, hops, prev)
+            for peer in holders.get(node, []):  # a new span starts at `node`
+                if peer != prev:
+                    if prev == _CLIENT:
+                        link = half[peer]
+                    elif prev in pinged:
+                        link = one_way(records, rtt, prev, peer, measured_rtts)
+                    else:
+                        link = half[prev] + half[peer]
+                    relax(peer, cost + link + enter[peer], hops + 1, prev)
+        if not following:
+            return None
+        layer = following
+    finished = min(((cost + half[prev], hops), prev) for prev, (cost, hops) in layer.items())
+    return _unwind(previous, (end, finished[1]), start)
 
 
 def _unwind(previous: Mapping[tuple[int, str], tuple[int, str]], final: tuple[int, str], start: int) -> list[Span]:
     """The spans of the push route whose finished state is `final`, in route order: consecutive blocks of one
     server are one span (a server never follows itself)."""
     peers: list[str] = []  # peers[i]: the server of block start + i
-    state = previous[final]  # (end, last peer)
+    state = final  # (end, last peer)
     while state[0] != start:
         peers.append(state[1])
         state = previous[state]

@@ -251,6 +251,7 @@ class SequenceManager:
                 relay_cost=self.config.relay_cost,
                 push=push,
                 measured=self.speeds,
+                rng=self._rng,  # a sample of the swarm, drawn by this client: clients spread (routing docstring)
             )
 
         return await self._route(start, end, plan, adapter)
