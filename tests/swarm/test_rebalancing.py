@@ -1,14 +1,17 @@
-"""A server that chose its blocks itself moves when a region of the model loses its servers, and only then."""
+"""A server that chose its blocks itself moves when a region of the model loses its servers, and only then; servers
+started together spread over the model before they load (server.presence.rebalancing, server.rebalancer)."""
 
 from __future__ import annotations
 
 import signal
+import time
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from conftest import SERVER_ARGS, TestSwarm, wait_until
 from corolla import AutoDistributedModelForCausalLM
+from corolla.cli.demo_cmd import demo_model_path
 from corolla.cli.local_swarm import LocalProcess
 
 PROMPT = torch.tensor([[1, 11, 22, 33, 44]])
@@ -53,3 +56,29 @@ def test_rebalance_moves_server_to_blocks_left_uncovered(tiny_llama_path, tmp_pa
         finally:
             model.shutdown()
         assert served_ranges(mover) == ["0:2", "2:4"]  # and it stays there
+
+
+def test_two_servers_started_together_cover_the_whole_model_before_they_load(tmp_path):
+    """Both used to take 0:3 of the demo model's 6 blocks, and `generate` failed with MissingBlocks until one moved
+    at its first balance check (~2 minutes): now the one with the larger peer id settles on 3:6 before loading."""
+    model = str(demo_model_path())
+    with TestSwarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}) as local:
+        peers = local.start_dht()
+        begin = time.monotonic()
+        servers = [local.start_server(model, ["--num-blocks", "3", *SERVER_ARGS, *SPEED], name=f"s{i}", wait=False,
+                                      verbose=True) for i in range(2)]
+        for proc in servers:
+            local.wait_ready(proc)
+        ready = time.monotonic() - begin
+        assert sorted(r for proc in servers for r in served_ranges(proc)) == ["0:3", "3:6"], [
+            proc.tail(40) for proc in servers]
+        assert ready < 60.0  # seconds, from start to both serving (no balance check involved: that takes ~120 s)
+        assert sum("settle:" in line for proc in servers for line in list(proc.log)) <= 1
+        client = AutoDistributedModelForCausalLM.from_pretrained(model, initial_peers=peers)
+        try:
+            reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+            prompt = torch.tensor([[1, 5, 9, 13]])
+            expected = reference.generate(prompt, max_new_tokens=6, do_sample=False)
+            assert torch.equal(client.generate(prompt, max_new_tokens=6), expected)
+        finally:
+            client.shutdown()

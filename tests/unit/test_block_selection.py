@@ -6,7 +6,11 @@ import random
 
 import pytest
 
+from corolla.protocol.messages import ServerInfo, ServerState
+from corolla.server.compute.block_stack import BlockStack
+from corolla.server.presence import rebalancing
 from corolla.server.presence.block_selection import choose_best_blocks, parse_block_range, should_move
+from corolla.server.presence.load import LoadMeter
 
 
 def test_parse_block_range_checks_bounds():
@@ -124,3 +128,72 @@ def test_random_swarms_converge_without_revisiting_a_placement():
             start = rng.randint(0, num_blocks - length)
             servers.append(((start, start + length), float(rng.choice([1, 5, 10, 12, 50]))))
         settle(num_blocks, servers, rng.choice([0.0, 0.05, 0.2]), max_rounds=5)  # 3000 seeds: at most 4 rounds
+
+
+# ---------------------------------------------------------------- server.presence.rebalancing
+def info(start: int, end: int, throughput: float, state: ServerState = ServerState.ONLINE) -> ServerInfo:
+    return ServerInfo(state=state, start_block=start, end_block=end, throughput=throughput, cache_tokens_total=1,
+                      cache_tokens_free=1, torch_dtype="float32", version="0", protocol_version=1,
+                      max_session_length=1)
+
+
+def test_a_block_gets_its_servers_throughput_shared_over_their_blocks():
+    assert rebalancing.block_share(100.0, 0, 4) == 25.0
+    view = [{"a": info(0, 4, 100.0), "b": info(0, 1, 10.0)}, {"a": info(0, 4, 100.0)},
+            {"a": info(0, 4, 100.0), "off": info(2, 3, 50.0, ServerState.OFFLINE)},
+            {"a": info(0, 4, 100.0), "j": info(3, 4, 8.0, ServerState.JOINING)}]
+    assert rebalancing.swarm_capacity(view) == [35.0, 25.0, 25.0, 33.0]  # OFFLINE counts for nothing
+    assert rebalancing.swarm_capacity(view, me="a") == [10.0, 0.0, 0.0, 8.0]
+    assert rebalancing.holder_counts(view) == [2, 1, 1, 2]
+
+
+def test_the_watch_runs_while_a_block_has_fewer_than_three_servers():
+    assert rebalancing.needs_watch([3, 5, 2]) and not rebalancing.needs_watch([3, 3, 4])
+    assert rebalancing.uncovered([1.0, 0.0]) and not rebalancing.uncovered([1.0, 0.5])
+
+
+def test_of_two_servers_that_chose_the_same_blocks_only_the_larger_peer_id_settles_elsewhere():
+    others = [10.0, 10.0, 10.0, 0.0, 0.0, 0.0]  # the other server of 30 tokens/s on 0:3, share 10 per block
+    assert rebalancing.settle_move("B", (0, 3), 10.0, others, joining_here=["A"], quality=0.2) == (3, 6)
+    assert rebalancing.settle_move("A", (0, 3), 10.0, others, joining_here=["B"], quality=0.2) is None
+    assert rebalancing.settle_move("A", (0, 3), 10.0, others, joining_here=[], quality=0.2) == (3, 6)
+
+
+def test_a_move_onto_a_block_without_server_is_urgent_and_ignores_the_cooldown():
+    # without us [10, 10, 0, 0]: we (share 10) double 0:2
+    move = rebalancing.plan_move((0, 2), 10.0, [10, 10, 0, 0], 0.2, since_last_move=1.0, cooldown=600.0)
+    assert move == rebalancing.Move((2, 4), urgent=True)
+    assert rebalancing.drain_seconds(move, 60.0) == 0.0
+
+
+def test_an_ordinary_move_waits_for_the_cooldown_and_drains():
+    # without us [20, 20, 5, 5]: moving lifts the minimum from 5 to 15
+    assert rebalancing.plan_move((0, 2), 10.0, [20, 20, 5, 5], 0.2, since_last_move=30.0, cooldown=600.0) is None
+    move = rebalancing.plan_move((0, 2), 10.0, [20, 20, 5, 5], 0.2, since_last_move=700.0, cooldown=600.0)
+    assert move == rebalancing.Move((2, 4), urgent=False) and rebalancing.drain_seconds(move, 60.0) == 60.0
+
+
+def test_a_move_that_leaves_a_block_bare_drains_first_even_onto_uncovered_blocks():
+    # we alone hold 0:1 of 0:2; blocks 2:6 have no server: covering 2:4 uncovers block 0, so it drains
+    move = rebalancing.plan_move((0, 2), 10.0, [0, 10, 0, 0, 0, 0], 0.2, since_last_move=700.0, cooldown=600.0)
+    assert move is not None and move.target == (2, 4) and not move.urgent
+
+
+def test_check_and_join_delays_are_jittered_within_their_bounds():
+    rng = random.Random(0)
+    checks = [rebalancing.check_delay(rng, 120.0) for _ in range(1000)]
+    assert 90.0 <= min(checks) and max(checks) <= 150.0
+    joins = [rebalancing.join_delay(rng, 2.0) for _ in range(1000)]
+    assert 0.0 <= min(joins) and max(joins) <= 2.0 and len(set(joins)) == 1000
+
+
+def test_the_load_meter_reports_the_median_recent_decode_step_per_block():
+    now = [100.0]
+    meter = LoadMeter(lambda: 4, clock=lambda: now[0])
+    assert meter.step_seconds() == 0.0
+    decode = BlockStack.decode_batch  # the decode step path (server.metrics.step_path)
+    meter.observe(decode, 3, [0.04, 0.08, 0.4])
+    meter.observe(len, 1, [10.0])  # not a step: ignored
+    assert meter.step_seconds() == pytest.approx(0.02)  # median 0.08 s over 4 blocks
+    now[0] += 61.0
+    assert meter.step_seconds() == 0.0  # older than the window

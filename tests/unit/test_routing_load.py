@@ -63,6 +63,7 @@ def test_sampling_keeps_a_blocks_only_server_and_never_makes_a_route_impossible(
     index = route_index(view, 0, 6)
     chosen = draw_candidates(index, 0, 6, random.Random(2), candidates=3)
     assert "only" in chosen and len(chosen) <= 7  # 3 draws at block 0, the only holder of 3, 3 draws at block 4
+    assert len(draw_candidates(index, 0, 6, random.Random(2))) <= 5  # 2 draws by default
 
 
 def test_a_sample_prefers_near_servers():
@@ -70,7 +71,7 @@ def test_a_sample_prefers_near_servers():
     rtts = {p: (0.01 if p.startswith("near") else 0.2) for p in servers}
     rng = random.Random(3)
     routes = [find_route(swarm(4, servers), 0, 4, rtts=rtts, push=True, rng=rng) for _ in range(200)]
-    assert sum(r[0].peer_id.startswith("near") for r in routes) >= 190  # 3 of 4 servers are far, yet
+    assert sum(r[0].peer_id.startswith("near") for r in routes) >= 150  # 3 of 4 servers are far, yet
 
 
 def test_an_index_built_once_routes_like_find_route():

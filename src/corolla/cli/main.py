@@ -8,6 +8,7 @@ import sys
 from corolla.cli import (
     api_cmd, chat_cmd, demo_cmd, dht_cmd, generate_cmd, models_cmd, monitor_cmd, serve_cmd, status_cmd, swarm_key_cmd,
 )
+from corolla.cli import simulate_cmd
 from corolla.cli.common import setup_logging
 
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         monitor_cmd,
         models_cmd,
         swarm_key_cmd,
+        simulate_cmd,
     )
     for module in commands:
         module.add_parser(subparsers)

@@ -75,6 +75,37 @@ class ServerConfig:
             "the margin that keeps servers from chasing each other"
         ),
     )
+    # placement at scale (server.presence.rebalancing): each knob in seconds
+    join_delay: float = field(
+        default=2.0,
+        metadata=_opt("a server choosing its blocks first waits up to this long, at random, so that servers started "
+                      "together read different views of the swarm, seconds"),
+    )
+    settle_delay: float = field(
+        default=2.0,
+        metadata=_opt("after announcing its choice (JOINING), a server waits up to this long, at random, re-reads "
+                      "the swarm and moves before loading if another server took the same blocks, seconds"),
+    )
+    watch_period: float = field(
+        default=5.0,
+        metadata=_opt("while some block has fewer than 3 servers, how often a server re-reads the swarm to move at "
+                      "once onto a block left with none, seconds"),
+    )
+    move_stagger: float = field(
+        default=10.0,
+        metadata=_opt("a server that decided to move waits up to this long, at random, then re-reads the swarm and "
+                      "decides again (another server may have moved already), seconds; a tenth of it when a block "
+                      "has no server"),
+    )
+    move_cooldown: float = field(
+        default=600.0,
+        metadata=_opt("no move within this long of the last one, except onto a block with no server, seconds"),
+    )
+    drain_timeout: float = field(
+        default=60.0,
+        metadata=_opt("a moving server stops taking sessions and serves its open ones up to this long before it "
+                      "leaves their blocks (none when it moves onto a block with no server), seconds"),
+    )
     device: str = field(default="cpu", metadata=_opt("torch device for the blocks"))
     tensor_parallel_devices: tuple[str, ...] = field(
         default=(),

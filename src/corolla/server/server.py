@@ -1,8 +1,10 @@
 """The server process: load blocks, join the DHT, serve RPCs, announce, shut down cleanly.
 
 Lifecycle:  JOINING (record announced, weights loading) -> ONLINE ("serving blocks A:B") -> OFFLINE on stop.
-A server that chose its blocks itself checks every balance_period seconds whether other blocks would serve the swarm
-better (`should_move`); if so it goes OFFLINE for its blocks and through JOINING -> ONLINE again for the new ones.
+A server that chose its blocks itself waits a short random delay before choosing, settles them before loading,
+and then checks every balance_period seconds (and at once when a block loses its last server) whether other blocks
+would serve the swarm better; if so it goes OFFLINE for new sessions, drains the open ones, and goes through
+JOINING -> ONLINE again for the new blocks (server.rebalancer, deciding with server.presence.rebalancing).
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from corolla.models import get_family
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.codecs import CODECS
 from corolla.membership import load_swarm_key
-from corolla.protocol.messages import MAX_MADDRS, InfoReply, ServerInfo, ServerState
+from corolla.protocol.messages import (MAX_LOAD_SESSIONS, MAX_MADDRS, MAX_STEP_SECONDS, InfoReply, ServerInfo,
+                                       ServerState)
 from corolla.server.loading.adapters import read_adapter_config
 from corolla.server.presence.announcer import Announcer
 from corolla.server.compute.block_stack import BlockStack
 from corolla.server.loading.blocks import default_cache_tokens, default_num_blocks, load_stack
-from corolla.server.presence.block_selection import choose_best_blocks, parse_block_range, should_move
+from corolla.server.presence import rebalancing
+from corolla.server.presence.block_selection import choose_best_blocks, parse_block_range
+from corolla.server.presence.load import LoadMeter
 from corolla.server.cache.allocator import CacheAllocator
 from corolla.server.compute.worker import PRIORITY_INFERENCE, ComputeWorker
 from corolla.server.config import ServerConfig, public_model_name
@@ -36,16 +41,14 @@ from corolla.server.loading.dtype_choice import checkpoint_dtype_name, resolve_d
 from corolla.server.rpc.faults import announced_quant
 from corolla.server.rpc.handler import ConnectionHandler
 from corolla.server.metrics import ServerMetrics
+from corolla.server.rebalancer import Rebalancer
+from corolla.server.speed import compute_throughput, network_tokens
 from corolla.server.presence.next_hops import NextHops
-from corolla.server.presence.network import announced_throughput, measure_bandwidth, network_tokens_per_second
+from corolla.server.presence.network import announced_throughput
 from corolla.models.quantization import check_quant_mode
-from corolla.server.compute.tensor_parallel import check_tensor_parallel, measure_throughput
-from corolla.server.presence.throughput import cached_throughput, load_cached, measure_block_throughput, store_cached
+from corolla.server.compute.tensor_parallel import check_tensor_parallel
 
 logger = logging.getLogger(__name__)
-
-NETWORK_CACHE_KEY = {"measurement": "network bandwidth, bytes/s"}
-NETWORK_CACHE_MAX_AGE = 24 * 3600.0  # seconds a measured bandwidth is trusted
 
 
 class Server:
@@ -57,6 +60,11 @@ class Server:
             raise ValueError("give --initial-peers of a running swarm, or --new-swarm to start one")
         if config.balance_period < 0 or config.balance_quality < 0:
             raise ValueError("--balance-period and --balance-quality must be >= 0")
+        for knob in ("join_delay", "settle_delay", "move_stagger", "move_cooldown", "drain_timeout"):
+            if not getattr(config, knob) >= 0:
+                raise ValueError(f"--{knob.replace('_', '-')} must be >= 0 seconds, got {getattr(config, knob)}")
+        if not config.watch_period > 0:
+            raise ValueError(f"--watch-period must be > 0 seconds, got {config.watch_period}")
         if config.step_timeout <= 0 or config.session_timeout <= 0:
             raise ValueError("--step-timeout and --session-timeout must be > 0 seconds")
         if config.max_batch_size < 1:
@@ -86,6 +94,8 @@ class Server:
         self.handler: ConnectionHandler | None = None
         self.next_hops: NextHops | None = None  # round trips to the servers after ours, announced for push routing
         self.metrics = ServerMetrics()  # exported over HTTP only with --metrics-port
+        self.load = LoadMeter(lambda: self.end_block - self.start_block)  # announced, for clients to spread
+        self.rebalancer: Rebalancer | None = None  # when the server chose its blocks itself
         self.metrics.watch(
             lambda: len(self.handler.sessions) if self.handler else 0,
             lambda: self.allocator.budget if self.allocator else None,
@@ -121,6 +131,10 @@ class Server:
             relayed=self.node is not None and self.node.relayed,
             next_pings=self.next_hops.announced() if self.next_hops is not None else {},
             codecs=CODECS,
+            sessions=min(len(self.handler.sessions), MAX_LOAD_SESSIONS) if self.handler else 0,
+            # sessions waiting for cache room (the allocator's queue; read-only here)
+            queued=min(len(self.allocator._waiters), MAX_LOAD_SESSIONS) if self.allocator else 0,
+            step_seconds=min(self.load.step_seconds(), MAX_STEP_SECONDS),
         )
 
     def info_reply(self) -> InfoReply:
@@ -140,7 +154,7 @@ class Server:
     async def run(self) -> None:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        worker = ComputeWorker(max_batch=self.config.max_batch_size, observe=self.metrics.observe_compute)
+        worker = ComputeWorker(max_batch=self.config.max_batch_size, observe=self._observe_compute)
         announcer: Announcer | None = None
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -167,7 +181,9 @@ class Server:
             max_backoff = max(self.config.rejoin_period, min(30.0, self.config.announce_period) - 3.0)
             watch = self.node.start_watch(self.config.rejoin_period, max_backoff)
             watch.on_rejoined.append(announcer.announce_soon)
-            await self._serve_blocks(announcer, worker)
+            if not self.config.blocks:
+                self.rebalancer = Rebalancer(self, announcer, worker)
+            await self.serve_blocks(announcer, worker)
             tasks.append(asyncio.create_task(announcer.run()))
             self.next_hops = NextHops(self.node, self.prefix, self.num_model_blocks)
             serving_end = lambda: self.end_block if self.state == ServerState.ONLINE else None  # noqa: E731
@@ -176,8 +192,8 @@ class Server:
                     self.next_hops.run(self.config.announce_period, serving_end, announcer.refresh_soon)
                 )
             )
-            if self.config.balance_period > 0 and not self.config.blocks:
-                tasks.append(asyncio.create_task(self._rebalance(announcer, worker)))
+            if self.config.balance_period > 0 and self.rebalancer is not None:
+                tasks.append(asyncio.create_task(self.rebalancer.run()))
             await self._stop.wait()
         finally:
             await self._shutdown(announcer, tasks, worker)
@@ -201,6 +217,11 @@ class Server:
             logger.info("behind relays: clients reach this server at %s", " ".join(self.maddrs))
         return node
 
+    def _observe_compute(self, fn: Callable[..., object], batch_size: int, latencies: list[float]) -> None:
+        """The compute worker's observer (on its thread): metrics, and the load this server announces."""
+        self.metrics.observe_compute(fn, batch_size, latencies)
+        self.load.observe(fn, batch_size, latencies)
+
     def _arm_fault(self) -> None:
         """SIGUSR1 with --inject-fault: steps fail from now on (armed when the handler exists, if it does not yet)."""
         logger.warning("SIGUSR1: inference steps now %s (--inject-fault)", self.config.inject_fault)
@@ -208,18 +229,21 @@ class Server:
         if self.handler is not None:
             self.handler.arm_fault()
 
-    async def _serve_blocks(self, announcer: Announcer, worker: ComputeWorker) -> None:
-        """JOINING -> load blocks start_block:end_block, open their cache and RPCs -> ONLINE ("serving blocks A:B")."""
+    async def serve_blocks(self, announcer: Announcer, worker: ComputeWorker) -> None:
+        """JOINING -> load blocks start_block:end_block (settled first when the server chose them), open their cache
+        and RPCs -> ONLINE ("serving blocks A:B")."""
         assert self.node is not None
         self.state = ServerState.JOINING
         await announcer.announce()  # others see the blocks are being taken
+        if self.rebalancer is not None:
+            await self.rebalancer.settle()  # another server may have taken the same blocks at the same moment
         self.stack = await asyncio.get_running_loop().run_in_executor(None, self._load_blocks)
         self.allocator = CacheAllocator(
             self._cache_tokens(), self.metrics, self.config.cache_queue_patience, self.config.max_peer_cache_share
         )
         if not self.throughput:
-            compute = await worker.run(PRIORITY_INFERENCE, self._measure_throughput)
-            network = await self._measure_network()
+            compute = await worker.run(PRIORITY_INFERENCE, compute_throughput, self)
+            network = await network_tokens(self)
             self.throughput = announced_throughput(compute, network, self.end_block - self.start_block)
         gate = self.node.gate
         self.handler = ConnectionHandler(
@@ -262,6 +286,11 @@ class Server:
     async def _leave_blocks(self, announcer: Announcer) -> None:
         """OFFLINE first, so that clients re-routing away from us do not pick us again; then end every session,
         each with a shutting_down reply that makes its client move it to another server."""
+        await self.stop_taking_sessions(announcer)
+        await self.end_sessions()
+
+    async def stop_taking_sessions(self, announcer: Announcer) -> None:
+        """Announce OFFLINE for our blocks and refuse new sessions; open ones go on."""
         self.state = ServerState.OFFLINE
         if self.handler is not None:
             self.handler.shutting_down = True
@@ -271,6 +300,9 @@ class Server:
             logger.info("announced OFFLINE for blocks %d:%d", self.start_block, self.end_block)
         except Exception as e:
             logger.warning("could not announce OFFLINE: %r", e)
+
+    async def end_sessions(self) -> None:
+        """End every open session (each gets a shutting_down reply: its client moves it elsewhere)."""
         if self.handler is not None:
             sessions = list(self.handler.sessions.values())
             for task in sessions:
@@ -293,104 +325,20 @@ class Server:
         worker.shutdown()
         self.metrics.stop_http()
 
-    # ------------------------------------------------------------------ rebalancing
-    async def _rebalance(self, announcer: Announcer, worker: ComputeWorker) -> None:
-        """Every ~balance_period seconds, move to other blocks when `should_move` says that helps the swarm."""
-        while True:
-            # jitter: servers started together should not all decide on the same view of the swarm
-            await asyncio.sleep(self.config.balance_period * random.uniform(0.75, 1.25))
-            try:
-                target = await self._blocks_to_move_to()
-            except Exception as e:  # the DHT may be briefly unreachable; check again next period
-                logger.warning("rebalancing check failed: %s", e)
-                continue
-            if target is None:
-                continue
-            try:
-                await self._move(target, announcer, worker)
-            except Exception:  # we hold no blocks now: better to exit than to linger OFFLINE
-                logger.exception("could not move to blocks %d:%d; stopping", *target)
-                self.stop()
-                return
-
-    async def _blocks_to_move_to(self) -> tuple[int, int] | None:
-        current = (self.start_block, self.end_block)
-        throughputs = await self._swarm_throughputs()
-        for block in range(*current):
-            throughputs[block] += self.throughput  # our own share, whether or not the DHT shows our record yet
-        target = should_move(current, self.throughput, throughputs, self.config.balance_quality)
-        logger.debug("rebalance.check blocks=%d:%d swarm=%s target=%s", *current, throughputs, target)
-        if target is not None:
-            logger.info(
-                "rebalancing: moving from blocks %d:%d to %d:%d (swarm throughput per block: %s)",
-                *current,
-                *target,
-                [round(t, 1) for t in throughputs],
-            )
-        return target
-
-    async def _move(self, target: tuple[int, int], announcer: Announcer, worker: ComputeWorker) -> None:
-        """Leave the current blocks as a shutdown would (OFFLINE, sessions moved away), then serve `target`."""
-        assert self.node is not None and self.handler is not None
-        await self._leave_blocks(announcer)
-        # drop the old blocks before loading the new ones: both may not fit in memory at once. Until the new
-        # handler is registered, streams to us fail at once, and clients take them elsewhere.
-        await self.handler.unregister(self.node.p2p)
-        self.handler = self.stack = self.allocator = None
-        self.start_block, self.end_block = target
-        await self._serve_blocks(announcer, worker)
-
     # ------------------------------------------------------------------ setup steps
     async def _choose_blocks(self) -> tuple[int, int]:
         if self.config.blocks:
             return parse_block_range(self.config.blocks, self.num_model_blocks)
         num = self.config.num_blocks or self._default_num_blocks()
         num = min(num, self.num_model_blocks)
-        throughputs = await self._swarm_throughputs()
-        start, end = choose_best_blocks(num, throughputs)
-        logger.info(
-            "chose blocks %d:%d (swarm throughput per block: %s)", start, end, [round(t, 1) for t in throughputs]
-        )
+        # servers started together must not all read the same view (they would all take the same blocks)
+        await asyncio.sleep(rebalancing.join_delay(random.Random(), self.config.join_delay))
+        assert self.node is not None
+        view = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_model_blocks))
+        capacity = rebalancing.swarm_capacity(view, self.node.peer_id)
+        start, end = choose_best_blocks(num, capacity)
+        logger.info("chose blocks %d:%d (swarm capacity per block: %s)", start, end, [round(c, 1) for c in capacity])
         return start, end
-
-    async def _swarm_throughputs(self) -> list[float]:
-        """Per block, the summed throughput (tokens/s) of the other servers announcing it, JOINING or ONLINE."""
-        assert self.node is not None
-        servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_model_blocks))
-        me = self.node.peer_id
-        return [
-            sum((i.throughput for peer, i in by_peer.items() if peer != me and i.state != ServerState.OFFLINE), 0.0)
-            for by_peer in servers
-        ]
-
-    async def _measure_network(self) -> float | None:
-        """Tokens/s this server's network carries (one hidden state each way per token); None if unknown.
-
-        `--network-bandwidth` overrides the measurement. Otherwise the bandwidth measured against up to three
-        other servers of the swarm is cached on disk for a day; the first server of a swarm has nobody to
-        measure against, and its announced throughput is its compute alone.
-        """
-        assert self.node is not None
-        if self.config.network_bandwidth is not None:
-            bandwidth = self.config.network_bandwidth * 1e6 / 8
-        else:
-            bandwidth = load_cached(NETWORK_CACHE_KEY, max_age=NETWORK_CACHE_MAX_AGE)
-            if bandwidth is None:
-                servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_model_blocks))
-                peers = {
-                    peer
-                    for by_peer in servers
-                    for peer, info in by_peer.items()
-                    if peer != self.node.peer_id and info.state == ServerState.ONLINE
-                }
-                bandwidth = await measure_bandwidth(self.node.p2p, random.sample(sorted(peers), len(peers)))
-                if bandwidth is None:
-                    logger.info("network: no other server to measure against; throughput counts compute only")
-                    return None
-                store_cached(NETWORK_CACHE_KEY, bandwidth)
-        tokens = network_tokens_per_second(bandwidth, self.model_config.hidden_size, self.dtype)
-        logger.info("network: %.0f Mbit/s, %.0f tokens/s of hidden states", bandwidth * 8 / 1e6, tokens)
-        return tokens
 
     def _default_num_blocks(self) -> int:
         return default_num_blocks(self.family, self.model_config, self.dtype, self.dtype_name, self.config.quant)
@@ -413,31 +361,3 @@ class Server:
             return self.config.cache_tokens
         assert self.stack is not None
         return default_cache_tokens(self.stack, self.dtype, self.end_block - self.start_block)
-
-    def _measure_throughput(self) -> float:
-        assert self.stack is not None
-        layout = self.stack.layout
-        key = {
-            "model_type": self.model_config.model_type,
-            "hidden": self.model_config.hidden_size,
-            "intermediate": getattr(self.model_config, "intermediate_size", None),
-            "kv": [layout.n_kv_heads, layout.head_dim],
-            "device": str(self.device),
-            "dtype": self.dtype_name,
-            "threads": torch.get_num_threads(),
-            **({"quant": self.config.quant} if self.config.quant != "none" else {}),  # unquantized keys stay as before
-        }
-        if self.config.tensor_parallel_devices:
-            key["tensor_parallel_devices"] = list(self.config.tensor_parallel_devices)
-            return cached_throughput(key, lambda: measure_throughput(self.stack))
-        return cached_throughput(
-            key,
-            lambda: measure_block_throughput(
-                self.stack.blocks[0],
-                self.stack.hidden_size,
-                layout.n_kv_heads,
-                layout.head_dim,
-                self.dtype,
-                self.device,
-            ),
-        )

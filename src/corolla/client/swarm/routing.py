@@ -58,8 +58,8 @@ from corolla.protocol.messages import ServerInfo, ServerState
 FULL_CACHE_PENALTY = 1e3  # seconds: use a server without room only when nothing else covers those blocks
 ANNOUNCED_SPEEDUP = 2.0  # how much faster than the client measured it a server's announced throughput may be
 QUEUED_SESSION_COST = 1.0  # seconds charged per session a server announces waiting for cache room
-CANDIDATES_PER_BLOCK = 3  # servers drawn at each step of the candidate walk (`draw_candidates`)
-DRAW_SHARPNESS = 3.0  # a holder is drawn with weight (blocks it serves per second of its price) ** this
+CANDIDATES_PER_BLOCK = 2  # servers drawn at each step of the candidate walk (`draw_candidates`)
+DRAW_SHARPNESS = 1.0  # a holder is drawn with weight (blocks it serves per second of its price) ** this
 PRICE_JITTER = 0.05  # a sampled route prices each drawn server up to this fraction higher, at random
 
 
@@ -204,19 +204,24 @@ def route_index(
 
 
 def draw_candidates(index: RouteIndex, start: int, end: int, rng: random.Random,
-                    candidates: int = CANDIDATES_PER_BLOCK) -> set[str]:
+                    candidates: int = CANDIDATES_PER_BLOCK, banned: Collection[str] = frozenset()) -> set[str]:
     """The servers a sampled route may go through (see the module docstring): from `start`, `candidates` draws
     among the holders of the block reached (all of them when there are no more), then on from the farthest block
-    those drawn reach, until `end`. A block with no holder is stepped over (no route exists then anyway)."""
+    those drawn reach, until `end`. `banned` peers are never drawn (when every draw hits one, the block's other
+    holders are all kept). A block with no holder is stepped over (no route exists then anyway)."""
     chosen: set[str] = set()
     block = start
     while block < end:
         peers, cumulative = index.draw_weights(block)
-        if not peers:
+        if len(peers) <= candidates:
+            drawn = set(peers)
+        else:
+            drawn = set(rng.choices(peers, cum_weights=cumulative, k=candidates))
+        if banned:
+            drawn = drawn - banned if drawn - banned else {peer for peer in peers if peer not in banned}
+        if not drawn:
             block += 1
             continue
-        drawn = set(peers) if len(peers) <= candidates else set(rng.choices(peers, cum_weights=cumulative,
-                                                                            k=candidates))
         chosen |= drawn
         block = max(index.servers[peer].stop for peer in drawn)
     return chosen
@@ -277,15 +282,18 @@ def find_route(
 
 
 def find_route_in(index: RouteIndex, start: int, end: int, *, push: bool = False, rng: random.Random | None = None,
-                  candidates: int = CANDIDATES_PER_BLOCK) -> list[Span] | None:
+                  candidates: int = CANDIDATES_PER_BLOCK, banned: Collection[str] = frozenset()
+                  ) -> list[Span] | None:
     """`find_route` over a prebuilt `route_index` (which must cover [start, end)): the cheapest route through all
-    of its servers, or, with an `rng`, through those `draw_candidates` draws."""
+    of its servers but `banned` ones, or, with an `rng`, through those `draw_candidates` draws."""
     if not index.start <= start < end <= index.end:
         raise ValueError(f"blocks {start}:{end} are outside the index's {index.start}:{index.end}")
     servers, records, rtts = index.servers, index.records, index.rtts
     holders: Mapping[int, list[str]] = index.holders
+    if banned:
+        holders = {b: [p for p in holders.get(b, []) if p not in banned] for b in range(start, end)}
     if rng is not None and any(len(holders.get(b, ())) > candidates for b in range(start, end)):
-        chosen = draw_candidates(index, start, end, rng, candidates)
+        chosen = draw_candidates(index, start, end, rng, candidates, banned)
         holders = _restricted(index, start, end, chosen)
         # each drawn server's price x uniform(1, 1 + PRICE_JITTER): servers within a few percent of each other
         # share sessions instead of the lowest peer id taking them all

@@ -1,0 +1,136 @@
+"""When a server picks its blocks and when it moves: pure decisions over a view of the swarm, so that the server
+(server.rebalancer) and the swarm simulator (corolla.sim) run the same code.
+
+The view is one number per block: the *capacity* servers give it (`swarm_capacity`), each JOINING or ONLINE server
+adding its throughput divided by its number of blocks (`block_share`): a server computes one token through all of
+its blocks at a time, so a server of 20 blocks gives each of them a twentieth of its speed, not all of it (summing
+whole throughputs made a block of big servers look 20 times stronger than it can serve).
+
+A server's life, as these functions decide it:
+
+    join:      wait join_delay (random: servers started together read different views), choose the weakest
+               window (block_selection.choose_best_blocks), announce it JOINING at once (others see it taken)
+    settle:    before loading, wait a short random delay, re-read, and `settle_move`: move for free (nothing is
+               loaded yet) when should_move says so, unless a JOINING server with a larger peer id shares our
+               blocks (it is the one to give way: two servers that chose the same blocks do not both leave them)
+    watch:     while the last read showed a block with fewer than WATCH_HOLDERS servers (`needs_watch`), re-read
+               every watch period; a block without any server (`uncovered`) triggers a check at once
+    check:     every `check_delay` (the balance period, jittered), and at once on an uncovered block: `plan_move`
+    move:      stagger (random delay, re-read, decide again), then drain: OFFLINE for new sessions, open ones
+               served until they end or `drain_seconds` pass; then load the new blocks
+
+`plan_move` moves only for a real gain (block_selection.should_move: the swarm's weakest blocks become fewer or
+stronger, by more than `quality`), never onto blocks already being loaded by the mover itself, never breaking
+coverage (the minimum never falls), and not again within `cooldown` of the last move unless a block has no server.
+A move onto a block without any server is urgent (the swarm needs those blocks now): no cooldown, and no drain
+when every block it leaves keeps another server (its sessions fail over at once); a move that leaves a block with
+no server (allowed only when that uncovers fewer blocks than it covers) drains first.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from corolla.protocol.messages import ServerInfo, ServerState
+from corolla.server.presence.block_selection import should_move
+
+WATCH_HOLDERS = 3  # a read showing a block with fewer servers than this keeps the watch polling
+
+
+def block_share(throughput: float, start: int, end: int) -> float:
+    """Tokens/s a server of `throughput` (tokens/s per block) on blocks [start, end) gives each of its blocks."""
+    return throughput / max(1, end - start)
+
+
+def swarm_capacity(block_servers: Sequence[Mapping[str, ServerInfo]], me: str | None = None) -> list[float]:
+    """Per block, the summed `block_share` of every JOINING or ONLINE server announcing it, except `me`."""
+    return [
+        sum(block_share(info.throughput, info.start_block, info.end_block)
+            for peer, info in by_peer.items() if peer != me and info.state != ServerState.OFFLINE)
+        for by_peer in block_servers
+    ]
+
+
+def holder_counts(block_servers: Sequence[Mapping[str, ServerInfo]]) -> list[int]:
+    """Per block, how many JOINING or ONLINE servers announce it."""
+    return [sum(info.state != ServerState.OFFLINE for info in by_peer.values()) for by_peer in block_servers]
+
+
+def uncovered(capacity: Sequence[float]) -> bool:
+    """Whether some block has no server at all (capacity 0)."""
+    return any(c <= 0 for c in capacity)
+
+
+def needs_watch(holders: Sequence[int], watch_holders: int = WATCH_HOLDERS) -> bool:
+    """Whether to keep polling the swarm between balance checks: some block has fewer than `watch_holders`
+    servers, so one departure may leave it with none (in a swarm where every block has several, the regular check
+    suffices, and reading every block every few seconds would cost each server far more DHT traffic)."""
+    return any(n < watch_holders for n in holders)
+
+
+def join_delay(rng: random.Random, max_delay: float) -> float:
+    """Seconds a starting server waits before reading the swarm: uniform(0, max_delay)."""
+    return rng.uniform(0.0, max_delay)
+
+
+def check_delay(rng: random.Random, period: float) -> float:
+    """Seconds until the next balance check: period x uniform(0.75, 1.25), so that servers that started together
+    do not decide on the same view."""
+    return period * rng.uniform(0.75, 1.25)
+
+
+def with_own(capacity: Sequence[float], current: tuple[int, int], share: float) -> list[float]:
+    """`capacity` (others only) plus this server's `share` on its `current` blocks."""
+    start, end = current
+    return [c + share if start <= i < end else float(c) for i, c in enumerate(capacity)]
+
+
+@dataclass(frozen=True)
+class Move:
+    """Go to blocks `target`; `urgent`: it covers a block no server has, and leaves none bare (no drain, no
+    cooldown)."""
+
+    target: tuple[int, int]
+    urgent: bool
+
+
+def settle_move(me: str, current: tuple[int, int], share: float, capacity: Sequence[float],
+                joining_here: Sequence[str], quality: float) -> tuple[int, int] | None:
+    """Before loading: the blocks to take instead of `current`, or None to keep them.
+
+    `capacity` is the swarm's without us, `joining_here` the peer ids of other JOINING servers whose blocks overlap
+    ours (they may be deciding right now too). The move is should_move's, taken only when we have the largest peer
+    id among us and them: of two servers that chose the same blocks, one gives way, not both.
+    """
+    if any(peer > me for peer in joining_here):
+        return None
+    return should_move(current, share, with_own(capacity, current, share), quality)
+
+
+def plan_move(current: tuple[int, int], share: float, capacity: Sequence[float], quality: float,
+              since_last_move: float, cooldown: float) -> Move | None:
+    """The move this server should make now, or None.
+
+    `capacity`: the swarm's per-block capacity without this server (`swarm_capacity`), `share` its own per block
+    (`block_share`), `since_last_move` seconds since it last moved (or started). See the module docstring.
+    """
+    if since_last_move < 0 or cooldown < 0:
+        raise ValueError("since_last_move and cooldown must be >= 0 seconds")
+    view = with_own(capacity, current, share)
+    target = should_move(current, share, view, quality)
+    if target is None:
+        return None
+    covers = any(view[i] <= 0 for i in range(*target))
+    leaves_bare = any(capacity[i] <= 0 for i in range(*current) if not target[0] <= i < target[1])
+    urgent = covers and not leaves_bare  # its sessions' blocks keep other servers: they can go at once
+    if not urgent and since_last_move < cooldown:
+        return None
+    return Move(target, urgent)
+
+
+def drain_seconds(move: Move, drain_timeout: float) -> float:
+    """How long the mover keeps serving its open sessions before leaving their blocks: none for an urgent move,
+    else up to `drain_timeout` seconds (sooner if they all end)."""
+    return 0.0 if move.urgent else drain_timeout

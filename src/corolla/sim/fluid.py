@@ -1,0 +1,176 @@
+"""Decoding as a fluid: every decoding session advances at a rate (tokens/s) set by the servers on its route.
+
+One event per token and hop would be ~10^9 events for an hour of a thousand servers; instead each `tick` the rates
+are solved for and the sessions' tokens advance by rate x tick. Per server s (speed v, k blocks):
+
+    demand    D_s = sum over its sessions of rate x blocks they use on it          (block-tokens/s)
+    batch     B_s = the batch at which v x (B / step(B)) keeps up with D_s (step_cost.BatchCurve), at most
+              max_batch (its most efficient batch while it has a queue, o_s > 1); a server with prefills to do
+              spends up to MAX_PREFILL_SHARE of its time on them (a backlog carried from tick to tick), and
+              decodes in the rest
+    step      c_s = step(B_s) / v / (1 - prefill share)              (seconds per block per decode step)
+    overload  o_s: a queue in front of a saturated server, multiplied each tick by sqrt(D_s / peak rate) and
+              never below 1: it grows while the server is asked more than its peak, shrinks back after
+    busy      rho_s = min(1, D_s x c_s / B_s)
+    a visit of m blocks costs  m x c_s x o_s  +  rho_s x k x c_s / 2  +  hop overhead
+              (its own step, plus half of the step already running when it arrives)
+
+and a session's time per token is the sum of its visits plus its network legs and the client's own time; its rate
+is 1 / that. Rates and demands depend on each other, so each tick iterates twice from the last tick's rates,
+damped by half (rates that overshoot a saturated server come back within a few ticks, as queues would). This is
+the real scheduler's rule (server.compute.worker: steps that queue while a batch runs go together in the next, up
+to max_batch), averaged over a tick; what it leaves out: steps of one server over different spans batch apart in
+the real server (here they batch together), and step-to-step jitter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from corolla.sim.step_cost import BatchCurve
+
+MAX_PREFILL_SHARE = 0.5  # a server spends at most this share of its time on prefills (the rest decodes)
+
+
+class Fluid:
+    def __init__(self, curve: BatchCurve, hop_overhead: float):
+        self.curve = curve
+        self.hop_overhead = hop_overhead
+        self.slots = 0  # allocated rows
+        self.width = 1  # hop columns
+        self.hop_server = np.zeros((0, 1), dtype=np.int64)
+        self.hop_blocks = np.zeros((0, 1))
+        self.net = np.zeros(0)  # seconds per token outside servers' steps
+        self.rate = np.zeros(0)  # tokens/s
+        self.tokens = np.zeros(0)  # decoded so far
+        self.target = np.zeros(0)  # tokens to decode
+        self.since = np.zeros(0)  # when it (re)started decoding, simulated seconds
+        self.active = np.zeros(0, dtype=bool)
+        self.free: list[int] = []
+        self.dummy = 0  # server index of empty hop columns (grows with the servers)
+        # per server, updated by `solve`
+        self.speed = np.ones(1)
+        self.span = np.ones(1)
+        self.prefill_work = np.zeros(1)  # seconds of prefill compute each server still has to do (a backlog)
+        self.avail = np.ones(1)  # share of time left for decoding
+        self.per_block = np.zeros(1)  # seconds per block per token, queueing included
+        self.wait = np.zeros(1)  # seconds a visit waits for the step already running
+        self.batch = np.ones(1)
+        self.demand = np.zeros(1)
+        self.overload = np.ones(1)  # per server: how much longer steps take for the queue in front of them
+
+    # ------------------------------------------------------------------ servers
+    def ensure_servers(self, count: int) -> None:
+        """Room for server indices < count (the dummy column moves to index `count`)."""
+        if count + 1 <= len(self.speed):
+            return
+        size = max(count + 1, 2 * len(self.speed))
+        for name, fill in (("speed", 1.0), ("span", 1.0), ("prefill_work", 0.0), ("avail", 1.0),
+                           ("per_block", 0.0), ("wait", 0.0), ("batch", 1.0), ("demand", 0.0),
+                           ("overload", 1.0)):
+            old = getattr(self, name)
+            new = np.full(size, fill)
+            new[: len(old)] = old
+            setattr(self, name, new)
+        old_dummy, self.dummy = self.dummy, size - 1
+        self.hop_server[self.hop_server == old_dummy] = self.dummy
+
+    def set_server(self, index: int, speed: float, span: int) -> None:
+        self.ensure_servers(index + 1)
+        self.speed[index], self.span[index] = speed, max(1, span)
+
+    # ------------------------------------------------------------------ sessions
+    def add(self, hops: list[tuple[int, int]], net: float, tokens: float, target: float, now: float) -> int:
+        """A session decoding from `now` over `hops` [(server, blocks used)]: its slot."""
+        if len(hops) > self.width:
+            self._widen(len(hops))
+        if not self.free:
+            self._grow()
+        slot = self.free.pop()
+        self.hop_server[slot] = self.dummy
+        self.hop_blocks[slot] = 0.0
+        for column, (server, blocks) in enumerate(hops):
+            self.hop_server[slot, column] = server
+            self.hop_blocks[slot, column] = blocks
+        self.net[slot], self.tokens[slot], self.target[slot], self.since[slot] = net, tokens, target, now
+        self.rate[slot] = 1.0 / self.token_seconds(hops, net)
+        self.active[slot] = True
+        return slot
+
+    def remove(self, slot: int) -> float:
+        """Stop the session in `slot`; returns the tokens it decoded."""
+        self.active[slot] = False
+        self.rate[slot] = 0.0
+        self.free.append(slot)
+        return float(self.tokens[slot])
+
+    def token_seconds(self, hops: list[tuple[int, int]], net: float) -> float:
+        """Seconds per token over `hops` at the servers' current state."""
+        return net + sum(blocks * self.per_block[s] + self.wait[s] + self.hop_overhead for s, blocks in hops)
+
+    def _grow(self) -> None:
+        extra = max(1024, self.slots)
+        self.hop_server = np.vstack([self.hop_server, np.full((extra, self.width), self.dummy, dtype=np.int64)])
+        self.hop_blocks = np.vstack([self.hop_blocks, np.zeros((extra, self.width))])
+        for name in ("net", "rate", "tokens", "target", "since"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra)]))
+        self.active = np.concatenate([self.active, np.zeros(extra, dtype=bool)])
+        self.free.extend(range(self.slots + extra - 1, self.slots - 1, -1))
+        self.slots += extra
+
+    def _widen(self, width: int) -> None:
+        extra = width - self.width
+        self.hop_server = np.hstack([self.hop_server, np.full((self.slots, extra), self.dummy, dtype=np.int64)])
+        self.hop_blocks = np.hstack([self.hop_blocks, np.zeros((self.slots, extra))])
+        self.width = width
+
+    # ------------------------------------------------------------------ a tick
+    def solve(self, dt: float, iterations: int = 2) -> None:
+        """New rates for every active session, and each server's state (see the module docstring)."""
+        share = np.minimum(self.prefill_work / dt, MAX_PREFILL_SHARE)
+        self.prefill_work -= share * dt
+        self.avail = 1.0 - share
+        active = np.flatnonzero(self.active)
+        servers, blocks = self.hop_server[active], self.hop_blocks[active]
+        used = blocks > 0
+        rate = self.rate[active]
+        flat_servers = servers.ravel()
+        size = len(self.speed)
+        capacity = self.speed * self.avail  # speed-1 block equivalents
+        for _ in range(iterations):
+            demand = np.bincount(flat_servers, weights=(blocks * rate[:, None]).ravel(), minlength=size)
+            demand[self.dummy] = 0.0
+            normalized = demand / capacity
+            # a server with a queue runs full batches; else the batch that keeps up with its demand
+            batch = np.where(self.overload > 1.0, self.curve.rate_batches[-1], self.curve.batch_for(normalized))
+            step = self.curve.step_seconds(batch) / capacity
+            busy = np.minimum(1.0, demand * step / batch)
+            per_block = step * self.overload
+            wait = 0.5 * busy * self.span * step
+            per_block[self.dummy] = wait[self.dummy] = 0.0
+            visits = blocks * per_block[servers] + used * (wait[servers] + self.hop_overhead)
+            fresh = 1.0 / (self.net[active] + visits.sum(axis=1))
+            rate = 0.5 * (rate + fresh)
+        self.rate[active] = rate
+        # a queue in front of a saturated server: grows while the demand the new rates make passes its peak,
+        # shrinks back to none once it is below
+        demand = np.bincount(flat_servers, weights=(blocks * rate[:, None]).ravel(), minlength=size)
+        demand[self.dummy] = 0.0
+        self.overload = np.maximum(1.0, self.overload * np.sqrt(demand / capacity / self.curve.peak))
+        self.demand, self.batch, self.per_block, self.wait = demand, batch, per_block, wait
+
+    def advance(self, now: float, dt: float) -> tuple[float, np.ndarray, np.ndarray]:
+        """Decode the `dt` seconds up to `now` (a session that started decoding since, from then on): returns
+        (tokens decoded in all, slots that finished, the time each finished). Tokens stop at the target."""
+        active = np.flatnonzero(self.active)
+        before, rate, target = self.tokens[active], self.rate[active], self.target[active]
+        begin = np.maximum(self.since[active], now - dt)
+        after = np.minimum(before + rate * (now - begin), target)
+        self.tokens[active] = after
+        done = after >= target
+        at = begin[done] + (target[done] - before[done]) / np.maximum(rate[done], 1e-12)
+        return float((after - before).sum()), active[done], np.minimum(at, now)
+
+    def announced_step_seconds(self, server: int) -> float:
+        """What the server would announce as its step_seconds: per block, its step plus its share of the wait."""
+        return float(self.per_block[server] + self.wait[server] / self.span[server])
