@@ -232,8 +232,8 @@ class World:
         if now + dt <= self.scenario.duration + 1e-9:
             self.q.at(now + dt, self._tick)
 
-    def run(self) -> dict[str, Any]:
-        begin = time.perf_counter()
+    def start(self) -> None:
+        """Schedule the servers' arrivals, the burst, the clients and the ticks (run_until then plays them)."""
         s = self.scenario
         kinds = [i for i, count in enumerate(_exact_counts([c.share for c in s.classes], s.servers))
                  for _ in range(count)]
@@ -252,7 +252,12 @@ class World:
             self._arrival_rate = s.demand * self.nominal_bound() / ((s.new_tokens_min + s.new_tokens_max) / 2)
             self.q.at(self.rng.expovariate(self._arrival_rate), self._arrive)
         self.q.at(s.tick, self._tick)
-        self.q.run_until(s.duration)
+
+    def run(self) -> dict[str, Any]:
+        begin = time.perf_counter()
+        self.start()
+        self.q.run_until(self.scenario.duration)
+        s = self.scenario
         result = self.metrics.result(len(self.sessions), self.dht, time.perf_counter() - begin, self.q.events)
         return {"policy": s.policy, "seed": s.seed, **result}
 

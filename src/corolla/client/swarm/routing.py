@@ -369,20 +369,19 @@ def _push_route(
     stop = {peer: min(servers[peer].stop, end) for peer in peers}
     enter = {peer: servers[peer].fixed + servers[peer].per_block for peer in peers}
     pinged = {peer for peer in peers if records[peer].next_pings}  # the others' links go through the client
-    previous: dict[tuple[int, str], tuple[int, str]] = {}
+    came: list[dict[str, str]] = []  # came[b - start][peer]: the server before `peer` when it computed block b
     layer: dict[str, tuple[float, int]] = {_CLIENT: (0.0, 0)}  # prev -> (cost, hops) at boundary `node`
+    infinite = (float("inf"), 0)
     for node in range(start, end):
         following: dict[str, tuple[float, int]] = {}
-
-        def relax(peer: str, cost: float, hops: int, came_from: str) -> None:
-            if (cost, hops) < following.get(peer, (float("inf"), 0)):
-                following[peer] = (cost, hops)
-                previous[(node + 1, peer)] = (node, came_from)
-
+        back: dict[str, str] = {}
+        here = holders.get(node, [])
         for prev, (cost, hops) in sorted(layer.items(), key=lambda item: (item[1], item[0])):
             if prev != _CLIENT and node < stop[prev]:  # the same span goes on
-                relax(prev, cost + servers[prev].per_block, hops, prev)
-            for peer in holders.get(node, []):  # a new span starts at `node`
+                candidate = (cost + servers[prev].per_block, hops)
+                if candidate < following.get(prev, infinite):
+                    following[prev], back[prev] = candidate, prev
+            for peer in here:  # a new span starts at `node`
                 if peer != prev:
                     if prev == _CLIENT:
                         link = half[peer]
@@ -390,30 +389,28 @@ def _push_route(
                         link = one_way(records, rtt, prev, peer, measured_rtts)
                     else:
                         link = half[prev] + half[peer]
-                    relax(peer, cost + link + enter[peer], hops + 1, prev)
+                    candidate = (cost + link + enter[peer], hops + 1)
+                    if candidate < following.get(peer, infinite):
+                        following[peer], back[peer] = candidate, prev
         if not following:
             return None
+        came.append(back)
         layer = following
-    finished = min(((cost + half[prev], hops), prev) for prev, (cost, hops) in layer.items())
-    return _unwind(previous, (end, finished[1]), start)
+    last = min(((cost + half[prev], hops), prev) for prev, (cost, hops) in layer.items())[1]
+    return _unwind(came, last, start, end)
 
 
-def _unwind(previous: Mapping[tuple[int, str], tuple[int, str]], final: tuple[int, str], start: int) -> list[Span]:
-    """The spans of the push route whose finished state is `final`, in route order: consecutive blocks of one
-    server are one span (a server never follows itself)."""
-    peers: list[str] = []  # peers[i]: the server of block start + i
-    state = final  # (end, last peer)
-    while state[0] != start:
-        peers.append(state[1])
-        state = previous[state]
-    peers.reverse()
+def _unwind(came: list[dict[str, str]], last: str, start: int, end: int) -> list[Span]:
+    """The spans of the push route ending with server `last`, in route order: walking back block by block, a span
+    starts where the server before a block differs from the block's own (a server never follows itself)."""
     spans: list[Span] = []
-    for offset, peer in enumerate(peers):
-        if spans and spans[-1].peer_id == peer:
-            spans[-1] = Span(peer, spans[-1].start, start + offset + 1)
-        else:
-            spans.append(Span(peer, start + offset, start + offset + 1))
-    return spans
+    peer, stop = last, end
+    for block in range(end - 1, start - 1, -1):
+        before = came[block - start][peer]
+        if before != peer:
+            spans.append(Span(peer, block, stop))
+            peer, stop = before, block
+    return spans[::-1]
 
 
 def sample_route(
