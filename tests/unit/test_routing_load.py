@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from corolla.client.swarm.routing import (Span, block_price, draw_candidates, find_route, find_route_in,
-                                          route_index)
+from corolla.client.swarm.route_index import block_price, draw_candidates, route_index
+from corolla.client.swarm.routing import Span, find_route, find_route_in
 from corolla.protocol.messages import ServerInfo, ServerState
 
 

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from corolla.client.config import ClientConfig
 from corolla.client.swarm.bans import Ban, next_ban, retry_delay
-from corolla.client.swarm.routing import RouteIndex, Span, find_route_in, route_index
+from corolla.client.swarm.route_index import RouteIndex, route_index
+from corolla.client.swarm.routing import Span, find_route_in
 from corolla.protocol.messages import ServerInfo
 from corolla.server.config import ServerConfig
 from corolla.server.presence import rebalancing

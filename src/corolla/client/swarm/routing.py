@@ -28,20 +28,6 @@ What a server announces about itself steers routes only as far as the client's o
 - cache_tokens_free: a lie attracts sessions the server then refuses (server_full: banned and routed around), so
   it costs the liar, not the client; the value is capped at the announced total.
 
-Load: a server announces how busy it is (ServerInfo.sessions, .queued, .step_seconds). A block of it is priced at
-the larger of 1 / believed throughput and its announced `step_seconds` (what its recent decode steps took per block,
-queueing behind a full batch included), so a busy server costs what it now delivers, not what it does idle; each
-session it announces waiting for cache room adds QUEUED_SESSION_COST. Announcements are up to a period old, so
-prices alone would send every client that reads one view to the same cheapest server. A client that passes an
-`rng` therefore routes through a sample of the swarm (`draw_candidates`, the "power of d choices"): walking from
-the first block, it draws `candidates` holders of the block it has reached (with probability rising steeply with
-how many blocks they serve per second of price from there, so near and idle servers are drawn most), and goes on
-from the farthest block they reach; the route is the cheapest one through the servers drawn, each priced up to
-PRICE_JITTER higher at random (so that servers within a few percent of each other share sessions). Two clients with the
-same view mostly take different, near-cheapest routes; a block that has a usable server keeps one in every sample,
-so sampling never makes a route impossible. It also bounds the work: Dijkstra over thousands of servers took ~2 s
-per push route; over a sample it takes milliseconds. A session keeps the route it chose until a server on it fails.
-
 Forward/backward passes carry no state, so `sample_route` spreads them over servers in proportion to (believed)
 throughput.
 """
@@ -51,16 +37,13 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
-from corolla.protocol.messages import ServerInfo, ServerState
-
-FULL_CACHE_PENALTY = 1e3  # seconds: use a server without room only when nothing else covers those blocks
-ANNOUNCED_SPEEDUP = 2.0  # how much faster than the client measured it a server's announced throughput may be
-QUEUED_SESSION_COST = 1.0  # seconds charged per session a server announces waiting for cache room
-CANDIDATES_PER_BLOCK = 2  # servers drawn at each step of the candidate walk (`draw_candidates`)
-DRAW_SHARPNESS = 1.0  # a holder is drawn with weight (blocks it serves per second of its price) ** this
-PRICE_JITTER = 0.05  # a sampled route prices each drawn server up to this fraction higher, at random
+from corolla.client.swarm.route_index import (  # noqa: F401 (ANNOUNCED_SPEEDUP, usable_servers: used from here)
+    ANNOUNCED_SPEEDUP, CANDIDATES_PER_BLOCK, PRICE_JITTER, RouteIndex, _jittered, _restricted, _Server,
+    believed_throughput, check_range, draw_candidates, route_index, usable_servers,
+)
+from corolla.protocol.messages import ServerInfo
 
 
 def measured_speed(seconds: float, rtt: float | None, blocks: int, tokens: int) -> float | None:
@@ -71,12 +54,6 @@ def measured_speed(seconds: float, rtt: float | None, blocks: int, tokens: int) 
     if blocks <= 0 or tokens <= 0 or not compute > 0:
         return None
     return blocks * tokens / compute
-
-
-def believed_throughput(announced: float, measured: float | None, speedup: float = ANNOUNCED_SPEEDUP) -> float:
-    """The throughput route finding prices a server at: the announced one, at most `speedup` x the measured one
-    (None: not measured yet)."""
-    return announced if measured is None else min(announced, speedup * measured)
 
 
 def believed_ping(announced: float, rtt_source: float | None, rtt_target: float | None) -> float:
@@ -98,147 +75,11 @@ class Span:
         return self.end - self.start
 
 
-def usable_servers(
-    block_servers: Sequence[Mapping[str, ServerInfo]], block: int, banned: frozenset[str] | set[str] = frozenset(),
-    adapter: str | None = None,
-    allowed_quant: Collection[str] | None = None,
-) -> Iterator[tuple[str, ServerInfo]]:
-    """(peer, record) of every ONLINE, unbanned server whose announced range holds `block`, by peer id.
-
-    With an `adapter`, only servers announcing that LoRA adapter count (any server can run the base model); with
-    `allowed_quant`, only servers whose announced quantization is in it."""
-    for peer, info in sorted(block_servers[block].items()):
-        if (peer not in banned and info.state == ServerState.ONLINE and info.start_block <= block < info.end_block
-                and (adapter is None or adapter in info.adapters)
-                and (allowed_quant is None or info.quant in allowed_quant)):
-            yield peer, info
-
-
 def with_codec(block_servers: list[dict[str, ServerInfo]], codec: str) -> list[dict[str, ServerInfo]]:
     """Each block's servers that take activations in `codec` (ServerInfo.codecs; every server takes "none")."""
     if codec == "none":
         return block_servers
     return [{peer: info for peer, info in servers.items() if codec in info.codecs} for servers in block_servers]
-
-
-def _check_range(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int) -> None:
-    if not 0 <= start < end <= len(block_servers):
-        raise ValueError(f"bad block range {start}:{end} for {len(block_servers)} blocks")
-
-
-def block_price(info: ServerInfo, measured: float | None = None) -> float:
-    """Seconds a token of a new session should expect per block of this server: its compute at its believed
-    throughput (`believed_throughput` with the client's `measured` speed), or its announced step_seconds (recent
-    decode steps per block, queueing included) when that is more."""
-    return max(1.0 / max(believed_throughput(info.throughput, measured), 1e-9), info.step_seconds)
-
-
-@dataclass(frozen=True)
-class _Server:
-    """A usable server as route finding prices it (the network aside, which relay and push routes price apart)."""
-
-    fixed: float  # seconds charged per span: hop overhead, cache, queue and relay penalties
-    per_block: float  # seconds per block per token (`block_price`)
-    stop: int  # end of its range within the route's
-    first: int  # start of its range within the route's
-
-
-@dataclass
-class RouteIndex:
-    """The usable servers of [start, end) of one view, priced for one client: built once (`route_index`, one pass
-    over the view) and routed through any number of times (`find_route_in`). Holds peer -> prices, block -> the
-    peers holding it (by peer id), peer -> record, and the client's round trips."""
-
-    start: int
-    end: int
-    servers: dict[str, _Server]
-    holders: dict[int, list[str]]
-    records: dict[str, ServerInfo]
-    rtts: Mapping[str, float]
-    default_rtt: float
-    _draws: dict[int, tuple[list[str], list[float]]] | None = None  # block -> holders, cumulative draw weights
-
-    def rtt(self, peer: str) -> float:
-        return self.rtts.get(peer, self.default_rtt)
-
-    def draw_weights(self, block: int) -> tuple[list[str], list[float]]:
-        """Holders of `block` and their cumulative draw weights (see the module docstring), computed once."""
-        if self._draws is None:
-            self._draws = {}
-        found = self._draws.get(block)
-        if found is None:
-            peers = self.holders.get(block, [])
-            total, cumulative = 0.0, []
-            for peer in peers:
-                server = self.servers[peer]
-                reach = server.stop - block
-                total += (reach / (server.fixed + self.rtt(peer) + server.per_block * reach)) ** DRAW_SHARPNESS
-                cumulative.append(total)
-            found = self._draws[block] = (peers, cumulative)
-        return found
-
-
-def route_index(
-    block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int, *,
-    banned: frozenset[str] | set[str] = frozenset(), cache_tokens_needed: int = 0, hop_cost: float = 0.002,
-    rtts: Mapping[str, float] | None = None, default_rtt: float = 0.0, adapter: str | None = None,
-    allowed_quant: Collection[str] | None = None, relay_cost: float = 0.0, measured: Mapping[str, float] | None = None,
-) -> RouteIndex:
-    """The usable servers of [start, end) priced for one client (arguments as `find_route`'s)."""
-    _check_range(block_servers, start, end)
-    measured = measured or {}
-    servers: dict[str, _Server] = {}
-    holders: dict[int, list[str]] = {}
-    records: dict[str, ServerInfo] = {}
-    for block in range(start, end):
-        for peer, info in usable_servers(block_servers, block, banned, adapter, allowed_quant):
-            holders.setdefault(block, []).append(peer)
-            if peer not in servers:
-                records[peer] = info
-                free = min(info.cache_tokens_free, info.cache_tokens_total)
-                fixed = hop_cost + (FULL_CACHE_PENALTY if free < cache_tokens_needed else 0.0)
-                fixed += (relay_cost if info.relayed else 0.0) + QUEUED_SESSION_COST * info.queued
-                servers[peer] = _Server(fixed, block_price(info, measured.get(peer)), min(info.end_block, end),
-                                        max(info.start_block, start))
-    return RouteIndex(start, end, servers, holders, records, rtts or {}, default_rtt)
-
-
-def draw_candidates(index: RouteIndex, start: int, end: int, rng: random.Random,
-                    candidates: int = CANDIDATES_PER_BLOCK, banned: Collection[str] = frozenset()) -> set[str]:
-    """The servers a sampled route may go through (see the module docstring): from `start`, `candidates` draws
-    among the holders of the block reached (all of them when there are no more), then on from the farthest block
-    those drawn reach, until `end`. `banned` peers are never drawn (when every draw hits one, the block's other
-    holders are all kept). A block with no holder is stepped over (no route exists then anyway)."""
-    chosen: set[str] = set()
-    block = start
-    while block < end:
-        peers, cumulative = index.draw_weights(block)
-        if len(peers) <= candidates:
-            drawn = set(peers)
-        else:
-            drawn = set(rng.choices(peers, cum_weights=cumulative, k=candidates))
-        if banned:
-            drawn = drawn - banned if drawn - banned else {peer for peer in peers if peer not in banned}
-        if not drawn:
-            block += 1
-            continue
-        chosen |= drawn
-        block = max(index.servers[peer].stop for peer in drawn)
-    return chosen
-
-
-def _jittered(server: _Server, factor: float) -> _Server:
-    return _Server(server.fixed * factor, server.per_block * factor, server.stop, server.first)
-
-
-def _restricted(index: RouteIndex, start: int, end: int, chosen: set[str]) -> dict[int, list[str]]:
-    """block -> the peers of `chosen` holding it, by peer id (as the full index lists them)."""
-    holders: dict[int, list[str]] = {}
-    for peer in sorted(chosen):
-        server = index.servers[peer]
-        for block in range(max(server.first, start), min(server.stop, end)):
-            holders.setdefault(block, []).append(peer)
-    return holders
 
 
 def find_route(
@@ -432,7 +273,7 @@ def sample_route(
     given `rng` state. With an `adapter`, only servers announcing that LoRA adapter are used.
     """
     measured = measured or {}
-    _check_range(block_servers, start, end)
+    check_range(block_servers, start, end)
     spans: list[Span] = []
     block = start
     while block < end:
