@@ -7,7 +7,7 @@ order, makes a run a function of its scenario.
 
 Clients: sessions arrive as a Poisson process asking, in all, `demand` x the capacity bound (tokens/s) at the
 swarm's nominal size, each in a region drawn by the regions' client shares; or, with `clients`, that many clients
-each run one session after another from the end of the warm-up. A region's clients share one view of the swarm,
+each run one session after another from half-way through the warm-up. A region's clients share one view of the swarm,
 read every `update_period` (a real client reads its own; all of them are as stale).
 """
 
@@ -81,6 +81,7 @@ class World:
         self._views: dict[int, tuple[float, Any]] = {}
         self._snapshot: tuple[float, Any] | None = None
         self._next_session = 0
+        self._client_bans: dict[int, dict] = {}
         self.regions_servers = [r.servers for r in s.regions]
         self.regions_clients = [r.clients for r in s.regions]
 
@@ -180,6 +181,8 @@ class World:
             prompt=self.rng.randint(s.prompt_min, s.prompt_max),
             new_tokens=self.rng.randint(s.new_tokens_min, s.new_tokens_max), arrived=self.q.now, client=client)
         self._next_session += 1
+        if client is not None:  # a client keeps its bans from one session to the next (its SequenceManager's)
+            session.bans = self._client_bans.setdefault(client, {})
         self.sessions[session.id] = session
         ses.start(self, session)
 
@@ -246,8 +249,8 @@ class World:
         if s.burst_fraction > 0 and s.burst_at < s.duration:
             self.q.at(s.burst_at, self._burst)
         if s.clients > 0:
-            for client in range(s.clients):
-                self.q.at(s.warmup, self._new_session, client)
+            for client in range(s.clients):  # from half-way through the warm-up: the servers have joined
+                self.q.at(s.warmup / 2, self._new_session, client)
         else:
             self._arrival_rate = s.demand * self.nominal_bound() / ((s.new_tokens_min + s.new_tokens_max) / 2)
             self.q.at(self.rng.expovariate(self._arrival_rate), self._arrive)
