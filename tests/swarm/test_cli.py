@@ -1,22 +1,31 @@
-"""The command line per the public contract: every command answers --help; dht, status and generate work.
+"""The command line per the public contract: every command answers --help; dht, status and generate work; every
+error a user can cause or meet (a bad flag or value, a malformed or unreachable peer, a model or blocks that are not
+there, a port in use) is one line on stderr that says what to do, with a non-zero exit, never a traceback (unless
+`corolla --debug`).
 
 `corolla dht`, `generate` and `demo` run as processes, as users run them; what only checks a command's answer (help,
 argument errors, status) runs main() in process (conftest.run_corolla)."""
 
 from __future__ import annotations
 
+import io
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_corolla, save_word_tokenizer
+from conftest import make_llama_checkpoint, run_corolla, save_word_tokenizer
+from corolla.cli.errors import explain
 from corolla.cli.local_swarm import LocalSwarm
 from corolla.cli.main import build_parser
+from corolla.protocol.errors import MissingBlocks, PeerUnavailable
 
-COMMANDS = ["demo", "dht", "serve", "generate", "chat", "status"]
+COMMANDS = ["demo", "dht", "serve", "generate", "chat", "status", "api", "monitor", "models", "swarm-key", "simulate"]
+# a well-formed multiaddr where nothing listens (port 1 on loopback): an unreachable peer
+NOBODY = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWQ7bQ7RxwDZJuyyDQPxMbhH5Kd1BMZrGXRX6C7s6rsjs1"
 
 
 def corolla(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -76,9 +85,119 @@ def test_serve_without_peers_or_new_swarm_is_a_clear_error(tiny_llama_path):
     assert result.returncode == 2 and "--initial-peers" in result.stderr
 
 
-def test_serve_with_an_unknown_block_range_is_a_clear_error(tiny_llama_path, llama_swarm):
-    result = run_corolla("serve", tiny_llama_path, "--initial-peers", *llama_swarm.initial_peers, "--blocks", "2:9")
-    assert result.returncode == 2 and "outside the model's 4 blocks" in result.stderr
+def error_line(result: subprocess.CompletedProcess[str], code: int) -> str:
+    """The one line a failed command printed as its error (after any log lines), checked to be the last line of
+    stderr, with exit code `code` and no traceback."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr and lines and lines[-1].startswith("corolla"), result.stderr
+    assert sum(": error: " in line for line in lines) == 1, result.stderr
+    return lines[-1]
+
+
+@pytest.mark.parametrize(("blocks", "message"), [
+    ("2:9", "--blocks 2:9 is outside the model's 4 blocks (valid: 0 <= A < B <= 4)"),
+    ("3:2", "outside the model's 4 blocks"),
+    ("two", "--blocks must look like A:B (e.g. 0:4), got 'two'"),
+])
+def test_serve_with_bad_blocks_says_so_before_joining_the_swarm(tiny_llama_path, blocks, message):
+    """Checked against the checkpoint before anything else: the peer given is never dialed (nothing listens there)."""
+    result = run_corolla("serve", tiny_llama_path, "--initial-peers", NOBODY, "--blocks", blocks)
+    assert message in error_line(result, 2)
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "MODEL", "--initial-peers", NOBODY, "--blokcs", "0:2"],
+    ["generate", "MODEL", "--initial-peers", NOBODY, "--max-new-tokens", "many", "hi"],
+    ["generate", "MODEL", "hi"],
+    ["api", "MODEL", "--initial-peers", NOBODY, "--compression", "zip"],
+])
+def test_a_bad_flag_or_value_is_one_line_naming_it(argv, tiny_llama_path):
+    argv = [tiny_llama_path if a == "MODEL" else a for a in argv]
+    line = error_line(run_corolla(*argv), 2)
+    assert line.endswith("--help` lists the options)")
+    expected = {"serve": "unrecognized arguments: --blokcs 0:2; did you mean --blocks?",
+                "api": "argument --compression: invalid choice: 'zip'"}.get(argv[0], "")
+    assert expected in line and ("many" in line or "required: --initial-peers" in line or argv[0] != "generate")
+
+
+@pytest.mark.parametrize("peer", ["garbage", "/ip4/127.0.0.1/tcp/31337", "/ip4/127.0.0.999/tcp/1/p2p/12D3KooWA"])
+def test_a_malformed_initial_peer_is_refused_before_anything_starts(peer):
+    line = error_line(run_corolla("generate", "some/model", "--initial-peers", peer, "hi"), 2)
+    assert f"--initial-peers: " in line and "expected the full multiaddr a running peer printed" in line
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "api"])
+def test_a_model_that_is_not_there_is_named_with_what_to_give(command, tmp_path):
+    argv = [command, str(tmp_path / "no-such-model"), "--initial-peers", NOBODY] + (["hi"] if command == "generate" else [])
+    line = error_line(run_corolla(*argv), 2)
+    assert "no-such-model" in line and "Give a checkpoint directory (with config.json) or a Hugging Face repo id" in line
+
+
+def test_a_port_in_use_says_which_and_how_to_get_another(tiny_llama_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for argv in (["api", tiny_llama_path, "--initial-peers", NOBODY, "--port", port], ["dht", "--port", port]):
+            line = error_line(run_corolla(*argv), 2)
+            assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in line and "--port 0" in line, line
+
+
+def test_unreachable_initial_peers_are_named_with_what_to_check():
+    line = error_line(run_corolla("status", "--initial-peers", NOBODY), 1)
+    assert f"could not reach any initial peer ({NOBODY}). Is the swarm running" in line
+
+
+def test_debug_shows_the_traceback_as_well(tmp_path):
+    argv = ["generate", str(tmp_path / "no-such-model"), "--initial-peers", NOBODY, "hi"]
+    plain, debug = run_corolla(*argv), run_corolla("--debug", *argv)
+    assert "Traceback" not in plain.stderr and "Traceback (most recent call last)" in debug.stderr
+    assert debug.returncode == plain.returncode == 2
+    assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip().splitlines()[-1]
+
+
+def test_explain_writes_each_failure_as_one_line_with_what_to_do():
+    args = build_parser().parse_args(["generate", "org/model", "--initial-peers", NOBODY, "hi"])
+    line, code = explain(MissingBlocks([2, 3]), args)
+    assert code == 1 and line.startswith("no server in the swarm holds blocks 2:4. Start a server for them")
+    assert f"`corolla serve org/model --initial-peers {NOBODY} --blocks 2:4`" in line
+    assert f"`corolla status --initial-peers {NOBODY} --model org/model`" in line
+    line, code = explain(MissingBlocks([1, 5]), args)  # two spans: no single --blocks to suggest
+    assert code == 1 and "holds blocks 1:2, 5:6" in line and "--blocks" not in line
+    line, code = explain(PeerUnavailable("server X did not answer\nin time"), args)
+    assert code == 1 and line.startswith("server X did not answer (the swarm failed this request: try again")
+    line, code = explain(RuntimeError("something\nbroke"), args)
+    assert code == 1 and line == ("RuntimeError: something (unexpected: run `corolla --debug generate ...` for the "
+                                  "traceback, and report it)")
+    line, code = explain(OSError("2026/11/28 21:01:53 failed to listen on any addresses: [listen tcp4 "
+                                 "127.0.0.1:47123: bind: address already in use]"), args)
+    assert code == 2 and line.startswith("cannot listen on 127.0.0.1:47123: the port is in use")
+    assert all("\n" not in explain(e, args)[0] for e in (ValueError("a\nb"), OSError("model x\ny"), KeyError("k")))
+
+
+@pytest.fixture(scope="module")
+def longer_model(llama_swarm, tmp_path_factory) -> str:
+    """The tiny Llama with 6 blocks under the same name (so the same DHT prefix) as the shared swarm's, which
+    serves 4: against it, blocks 4:6 have no server."""
+    path = str(make_llama_checkpoint(tmp_path_factory.mktemp("longer") / Path(llama_swarm.model_path).name,
+                                     num_hidden_layers=6))
+    save_word_tokenizer(path)
+    return path
+
+
+def test_generate_against_a_swarm_missing_blocks_names_them_and_the_server_to_start(llama_swarm, longer_model):
+    result = corolla("generate", longer_model, "--initial-peers", *llama_swarm.initial_peers, "--max-new-tokens", "2",
+                     "w5 w6")
+    line = error_line(result, 1)
+    assert "no server in the swarm holds blocks 4:6" in line
+    assert f"corolla serve {longer_model} --initial-peers {llama_swarm.initial_peers[0]} --blocks 4:6" in line
+
+
+def test_chat_against_a_swarm_missing_blocks_names_them(llama_swarm, longer_model, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w6\n\n"))
+    result = run_corolla("chat", longer_model, "--initial-peers", *llama_swarm.initial_peers, "--max-new-tokens", "2")
+    assert "no server in the swarm holds blocks 4:6" in error_line(result, 1)
 
 
 def test_demo_starts_a_swarm_generates_and_cleans_up():

@@ -15,8 +15,9 @@ import signal
 from corolla.api.auth import ApiKeys
 from corolla.api.config import ApiConfig
 from corolla.api.hosts import is_loopback
-from corolla.cli.common import listening_socket, url_host
+from corolla.cli.common import listening_socket, model_config, url_host
 from corolla.cli.dataclass_args import add_dataclass_arguments, dataclass_from_args
+from corolla.cli.errors import block_spans
 
 logger = logging.getLogger(__name__)
 
@@ -56,17 +57,23 @@ def run(args: argparse.Namespace) -> int:
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    sock = listening_socket(config.host, config.port)  # first, so a taken port fails before the model loads
-    tokenizer = AutoTokenizer.from_pretrained(config.model)
-    client_config = ClientConfig(initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
-                                 swarm_key=config.swarm_key,
-                                 request_timeout=config.request_timeout, alloc_timeout=config.alloc_timeout,
-                                 compression=config.compression, verify_rate=config.verify_rate)
-    model = AutoDistributedModelForCausalLM.from_pretrained(config.model, client_config=client_config,
-                                                            torch_dtype=getattr(torch, config.dtype))
+    model_config(config.model)  # a model that is not there: one clear error before anything slow
+    sock = listening_socket(config.host, config.port)  # before the model loads, so a taken port fails at once
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+        client_config = ClientConfig(initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
+                                     swarm_key=config.swarm_key,
+                                     request_timeout=config.request_timeout, alloc_timeout=config.alloc_timeout,
+                                     compression=config.compression, verify_rate=config.verify_rate)
+        model = AutoDistributedModelForCausalLM.from_pretrained(config.model, client_config=client_config,
+                                                                torch_dtype=getattr(torch, config.dtype))
+    except BaseException:
+        sock.close()
+        raise
     engine = monitor = None
     try:
-        max_length = config.max_length or _default_max_length(model)
+        session_limits = _session_limits(model, config)
+        max_length = config.max_length or _default_max_length(model, session_limits)
         engine = BatchedEngine(model, tokenizer, config, ApiMetrics(), max_length)
         engine.start()
         app = build_app(engine, config, keys)
@@ -121,25 +128,36 @@ def _start_monitor(app, config: ApiConfig, engine):
     return handle
 
 
-def _default_max_length(model) -> int:
-    """The model's max_position_embeddings (at most DEFAULT_MAX_LENGTH), and no more than the servers now in the
-    swarm accept for a session (per block the most any of its servers accepts, then the least over blocks)."""
+def _session_limits(model, config: ApiConfig) -> list[int | None] | None:
+    """Per block, the longest session any ONLINE server of it accepts now (None: no server holds it), read from the
+    swarm once at start; None if the swarm cannot be read. Warns about blocks no server holds: requests fail (503,
+    missing_blocks) until one does."""
     from corolla.client.event_loop import run_sync
     from corolla.protocol.messages import ServerState
 
-    positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
-    limit = min(int(positions), DEFAULT_MAX_LENGTH)
     manager = model.sequence_manager
     try:
         run_sync(manager.update(force=True), timeout=30)
     except Exception as e:  # the swarm is unreachable now: requests will say so
         logger.warning("could not read the swarm's session limits: %s", e)
-        return limit
-    per_block = [max((info.max_session_length for info in servers.values() if info.state == ServerState.ONLINE),
-                     default=limit) for servers in manager.block_servers]
-    return min([limit, *per_block])
+        return None
+    limits = [max((info.max_session_length for info in servers.values() if info.state == ServerState.ONLINE),
+                  default=None) for servers in manager.block_servers]
+    missing = [block for block, limit in enumerate(limits) if limit is None]
+    if missing:
+        spans = ", ".join(block_spans(missing))
+        logger.warning("no server in the swarm holds blocks %s now: requests fail (503, missing_blocks) until one does "
+                       "(`corolla serve %s --initial-peers %s --blocks A:B`)", spans, config.model,
+                       ",".join(config.initial_peers))
+    return limits
 
 
+def _default_max_length(model, session_limits: list[int | None] | None) -> int:
+    """The model's max_position_embeddings (at most DEFAULT_MAX_LENGTH), and no more than the servers now in the
+    swarm accept for a session (per block the most any of its servers accepts, then the least over blocks)."""
+    positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
+    limit = min(int(positions), DEFAULT_MAX_LENGTH)
+    return min([limit, *(block for block in session_limits or () if block is not None)])
 
 
 def _interrupt_on(*signals: int) -> None:

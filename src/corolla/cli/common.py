@@ -41,6 +41,44 @@ class _MultiaddrList(argparse.Action):
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *given])
 
 
+def check_initial_peers(args: argparse.Namespace) -> None:
+    """ValueError naming the first malformed multiaddr of the command's --initial-peers, if any (main() checks them
+    before any command runs: a peer that could never be dialed is a typo, not a swarm being down)."""
+    for maddr in getattr(args, "initial_peers", None) or ():
+        problem = multiaddr_problem(maddr)
+        if problem is not None:
+            raise ValueError(f"--initial-peers: {problem}")
+
+
+def multiaddr_problem(maddr: str) -> str | None:
+    """None if `maddr` is a full multiaddr a peer can be dialed at (/ip4/HOST/tcp/PORT/p2p/PEERID), else why not,
+    with what to give instead."""
+    from corolla.dht.maddrs import peer_id_of, to_daemon_bytes
+
+    expected = "expected the full multiaddr a running peer printed, like /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW..."
+    if peer_id_of(maddr) is None:
+        return f"{maddr!r} does not end with /p2p/PEERID; {expected}"
+    try:
+        to_daemon_bytes(maddr)
+    except ValueError as e:
+        return f"{e}; {expected}"
+    return None
+
+
+def model_config(model: str):
+    """The checkpoint's config (a local directory or a hub repo id), read before anything slow starts, so that a
+    model that is not there is one clear ValueError (what was given, what to give) rather than a failure later."""
+    from corolla.checkpoint import load_config
+
+    try:
+        return load_config(model)
+    except (OSError, ValueError) as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__).rstrip(".")
+        what = "the model" if model in first else f"the model {model!r}"
+        raise ValueError(f"cannot load {what}: {first}. Give a checkpoint directory (with config.json) or a Hugging "
+                         "Face repo id this machine can download") from e
+
+
 def add_initial_peers_argument(parser: argparse.ArgumentParser, help: str, required: bool = False,
                                default: object = argparse.SUPPRESS) -> None:
     """Declare `--initial-peers` (dest `initial_peers`, a list of multiaddrs): one value that may be comma-separated,
@@ -80,7 +118,8 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port, or --port 0 "
+                         "to let the system pick a free one") from e
     sock.listen(backlog)
     sock.set_inheritable(True)
     return sock

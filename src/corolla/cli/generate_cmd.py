@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from corolla.cli.common import add_initial_peers_argument
+from corolla.cli.common import add_initial_peers_argument, model_config
 from corolla.protocol.codecs import CODECS
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -127,6 +127,7 @@ def load_client(args: argparse.Namespace):
 
     from corolla import AutoDistributedModelForCausalLM
 
+    model_config(args.model)  # a model that is not there: one clear error before anything slow
     if args.seed is not None:
         torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

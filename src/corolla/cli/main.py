@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from corolla.cli import (
     api_cmd, chat_cmd, demo_cmd, dht_cmd, generate_cmd, models_cmd, monitor_cmd, serve_cmd, status_cmd, swarm_key_cmd,
 )
 from corolla.cli import simulate_cmd
-from corolla.cli.common import setup_logging
+from corolla.cli.common import check_initial_peers, setup_logging
+from corolla.cli.errors import CliParser, explain
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="corolla", description="Run large language models across a swarm of machines."
-    )
+    parser = CliParser(prog="corolla", description="Run large language models across a swarm of machines.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logging")
+    parser.add_argument("--debug", action="store_true",
+                        help="when a command fails, print the Python traceback too (errors are otherwise one line)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands = (
         demo_cmd,
@@ -44,12 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(args.verbose)
     try:
+        check_initial_peers(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError) as e:
-        print(f"corolla {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # every failure a user can meet: one line that says what to do (cli.errors)
+        if args.debug:
+            traceback.print_exc()
+        line, code = explain(e, args)
+        print(f"corolla {args.command}: error: {line}", file=sys.stderr, flush=True)
+        return code
 
 
 if __name__ == "__main__":

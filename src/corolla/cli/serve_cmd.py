@@ -15,6 +15,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
+from corolla.cli import common
 from corolla.cli.common import run_until_signal
 from corolla.cli.dataclass_args import add_dataclass_arguments, dataclass_from_args
 from corolla.server.config import ServerConfig
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from corolla.server.server import Server  # heavy imports only for this command
 
     config = dataclass_from_args(ServerConfig, args)
+    check_model_and_blocks(config)
     server = Server(config)
     server.on_online.append(lambda s: report_ready(s, config.ready_file))
 
@@ -50,6 +52,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return run_until_signal(main)
+
+
+def check_model_and_blocks(config: ServerConfig) -> None:
+    """Before joining the swarm (seconds): the model is there and --blocks names blocks it has; ValueError saying
+    what to give otherwise."""
+    from corolla.models import get_family
+    from corolla.server.presence.block_selection import parse_block_range
+
+    model_config = common.model_config(config.model)
+    if config.blocks is not None:
+        parse_block_range(config.blocks, get_family(model_config).num_blocks(model_config))
 
 
 def ready_record(server: Server) -> dict[str, object]:
