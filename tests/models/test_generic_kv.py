@@ -1,12 +1,13 @@
 """The generic backend's KV storage (models/generic/kv.py) on plain tensors: what lands where, the ring's
-bookkeeping slot in every cache dtype, positions for the masks, and refusals that write nothing."""
+bookkeeping (plain fields shared by every view of the same rows, never in the tensors), positions for the masks, and
+refusals that write nothing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from corolla.models.generic.kv import _read_meta, _write_meta, cache_length, kv_access, ring_slots
+from corolla.models.generic.kv import cache_length, kv_access, ring_rows, ring_slots
 from corolla.models.ragged import RaggedKV
 
 N_KV, D = 2, 8
@@ -29,13 +30,28 @@ def test_cache_length_keeps_rings_only_for_sliding_layers_in_long_sessions() -> 
     assert cache_length(4, 4, 100) == 100  # head_dim too small for the bookkeeping slot: full length
 
 
+def book(k_cache: torch.Tensor) -> list[tuple[int, int]]:
+    """(end, lost) of each row of a ring cache."""
+    return [(row.end, row.lost) for row in ring_rows(k_cache)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_ring_bookkeeping_is_exact_in_every_cache_dtype(dtype: torch.dtype) -> None:
-    k_cache, _ = zeros(3, 9, dtype)
-    end, lost = torch.tensor([0, 255, 123_456_789]), torch.tensor([0, 256, 2**32 - 1])
-    _write_meta(k_cache, 8, end, lost)
-    got_end, got_lost = _read_meta(k_cache, 8)
-    assert torch.equal(got_end, end) and torch.equal(got_lost, lost)
+def test_ring_bookkeeping_lives_beside_the_tensors_and_every_view_of_a_row_shares_it(dtype: torch.dtype) -> None:
+    """Rows stepped through views (a session's rows, one row of a batched decode step) update the records the whole
+    cache reads; the tensors hold only keys and values (the spare slot stays zero); a new cache starts empty."""
+    window, ring = 2, ring_slots(2)
+    k_cache, v_cache = zeros(3, ring + 1, dtype)
+    assert book(k_cache) == [(0, 0)] * 3
+    x = torch.zeros(2, 10, 16, dtype=dtype)
+    kv_access(x, (k_cache[1:], v_cache[1:]), 0, n_kv_heads=N_KV, head_dim=D, window=window).exchange(
+        *(t.to(dtype) for t in new_kv(2, 10, 0)))
+    assert book(k_cache) == [(0, 0), (10, 6), (10, 6)]
+    row = (k_cache[2:3], v_cache[2:3])
+    kv_access(x[:1, :1], RaggedKV([row], [10]), 0, n_kv_heads=N_KV, head_dim=D, window=window).exchange(
+        *(t.to(dtype) for t in new_kv(1, 1, 10)))
+    assert book(k_cache) == [(0, 0), (10, 6), (11, 7)] and book(k_cache[2:]) == [(11, 7)]
+    assert not k_cache[:, :, ring].any() and not v_cache[:, :, ring].any()
+    assert book(zeros(3, ring + 1, dtype)[0]) == [(0, 0)] * 3
 
 
 def test_plain_cache_writes_in_place_and_attends_to_views_of_the_prefix() -> None:
@@ -65,7 +81,7 @@ def test_a_ring_keeps_the_last_positions_and_attends_to_history_plus_the_step() 
             if position >= 0:
                 assert keys[0, 0, column, 0] == position
     assert sorted(kv[0][0, 0, :ring, 0].tolist()) == [6.0, 7.0, 8.0, 9.0]
-    assert [int(v) for v in _read_meta(kv[0], ring)] == [10, 6]
+    assert book(kv[0]) == [(10, 6)]
 
 
 def test_a_ring_refuses_a_step_that_needs_dropped_keys_and_writes_nothing() -> None:
@@ -89,7 +105,7 @@ def test_a_rollback_inside_the_ring_forgets_the_rolled_back_positions() -> None:
     visible = {p for p in access.key_positions[0].tolist() if p >= 0}
     assert visible == {6, 7, 8}  # 9 (rolled back) is gone; 8 is this step's own key
     access.exchange(*new_kv(1, 1, 8))
-    assert [int(v) for v in _read_meta(kv[0], ring)] == [9, 6]
+    assert book(kv[0]) == [(9, 6)]
 
 
 def test_ragged_rows_mix_plain_and_ring_caches_and_pad_their_keys() -> None:

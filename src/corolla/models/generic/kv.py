@@ -11,18 +11,19 @@ A block call ``block(x, kv, position)`` gets one of:
   this call writes slots [position, position + T) and attends to the views [0, position + T).
 
   ring (a sliding-window layer of window W with S == ring + 1, ring = ``ring_slots(W)`` = 2W): only the last
-  ring positions are kept, position q in slot q % ring, and the extra last slot holds the row's bookkeeping::
+  ring positions are kept, position q in slot q % ring; the last slot is spare (never written or attended)::
 
       slots   0   1   2  ...  ring-1 | ring
-             [q%ring = slot]          | k[b, 0, ring, 0:4] = end  (one past the last position written)
-                                      | k[b, 0, ring, 4:8] = lost (positions below it are gone)
-      (base-256 digits, exact in float32, bfloat16 and float16; a zeroed cache reads end = lost = 0)
+             [q%ring = slot]          | spare
 
-  Positions [max(lost, end - ring), end) are intact. A step at position p <= end (p < end: a rollback) needs
-  the keys [p - W + 1, p): it is refused with ``ValueError`` when some of them are gone (a rollback deeper than
-  ring - W + 1 tokens past a full window), before anything is written. A step of T <= ring - W + 1 tokens (every
-  decode step) is written first and attends to the ring in place; a longer chunk attends to the ring as it was
-  before the step plus its own keys (a copy), then its last min(T, ring) keys are written.
+  Each row's bookkeeping is a ``RingRow`` of plain ints, ``end`` (one past the last position written) and
+  ``lost`` (positions below it are gone), kept beside the cache's storage (``ring_rows``): every view of the same
+  rows shares it, and a new cache starts at end = lost = 0. Positions [max(lost, end - ring), end) are intact.
+  A step at position p <= end (p < end: a rollback) needs the keys [p - W + 1, p): it is refused with
+  ``ValueError`` when some of them are gone (a rollback deeper than ring - W + 1 tokens past a full window),
+  before anything is written. A step of T <= ring - W + 1 tokens (every decode step) is written first and attends
+  to the ring in place; a longer chunk attends to the ring as it was before the step plus its own keys (a copy),
+  then its last min(T, ring) keys are written.
 
 - ``kv`` a ``RaggedKV`` (T = 1): row i is one token of its own session at ``positions[i]`` with its own
   (1, n_kv_heads, S_i, head_dim) caches, plain or ring as above. The rows' keys are gathered into one padded
@@ -43,9 +44,10 @@ from torch import Tensor
 
 from corolla.models.ragged import RaggedKV
 
-META_DIGITS = 4  # base-256 digits per bookkeeping number: positions up to 2**32 - 1
-_BASE = 256  # every digit (0..255) is an exact integer in float32, bfloat16 and float16
-_MIN_RING_HEAD_DIM = 2 * META_DIGITS  # the bookkeeping slot needs this many values of one KV head
+# the layout servers allocate: rings only for heads of at least this size, one spare slot past the ring. The
+# bookkeeping needs neither (RingRow); dropping them changes every server's cache sizes, so it is a change of its own
+_MIN_RING_HEAD_DIM = 8
+_ROWS_ATTRIBUTE = "_corolla_ring_rows"  # the attribute of a cache's storage that holds its rows' RingRow records
 
 
 def ring_slots(window: int) -> int:
@@ -67,18 +69,29 @@ def _is_ring(window: int | None, head_dim: int, length: int) -> bool:
     return window is not None and head_dim >= _MIN_RING_HEAD_DIM and length == ring_slots(window) + 1
 
 
-def _read_meta(k_cache: Tensor, ring: int) -> tuple[Tensor, Tensor]:
-    """(end, lost) of every row of a ring cache (B, n_kv_heads, ring + 1, head_dim), each (B,) int64 on its device."""
-    digits = k_cache[:, 0, ring, : 2 * META_DIGITS].float().round().long()  # (B, 8)
-    weights = _BASE ** torch.arange(META_DIGITS, device=k_cache.device)  # (4,)
-    return (digits[:, :META_DIGITS] * weights).sum(-1), (digits[:, META_DIGITS:] * weights).sum(-1)
+@dataclass
+class RingRow:
+    """The bookkeeping of one row of a ring cache: positions [max(lost, end - ring), end) are intact."""
+
+    end: int = 0  # one past the last position written
+    lost: int = 0  # positions below it are gone (overwritten)
 
 
-def _write_meta(k_cache: Tensor, ring: int, end: Tensor, lost: Tensor) -> None:
-    """Store (end, lost), each (B,) int64, in every row's bookkeeping slot."""
-    shifts = 8 * torch.arange(META_DIGITS, device=k_cache.device)  # (4,)
-    digits = torch.cat([(end[:, None] >> shifts) & 255, (lost[:, None] >> shifts) & 255], dim=1)  # (B, 8)
-    k_cache[:, 0, ring, : 2 * META_DIGITS] = digits.to(k_cache.dtype)
+def ring_rows(k_cache: Tensor) -> list[RingRow]:
+    """The RingRow of each row of the ring cache k_cache (B, n_kv_heads, ring + 1, head_dim), new ones (nothing
+    written) on first use.
+
+    They are kept on the cache's storage, keyed by where each row starts in it, so every view of the same rows (a
+    session's rows for a padded step, one row of a batched decode step) reads and updates the same records, and
+    they go when the cache does. Rows that a beam reorder exchanges (beams of one sequence) hold the same positions,
+    so their records need no reordering."""
+    storage = k_cache.untyped_storage()
+    rows: dict[int, RingRow] | None = getattr(storage, _ROWS_ATTRIBUTE, None)
+    if rows is None:
+        rows = {}
+        setattr(storage, _ROWS_ATTRIBUTE, rows)
+    start, stride = k_cache.storage_offset(), k_cache.stride(0)
+    return [rows.setdefault(start + b * stride, RingRow()) for b in range(k_cache.shape[0])]
 
 
 def _ring_positions(end: Tensor, ring: int) -> Tensor:
@@ -93,30 +106,33 @@ class _Ring:
 
     def __init__(self, k_cache: Tensor, window: int, position: int, T: int) -> None:
         self.ring = ring_slots(window)
-        end, lost = _read_meta(k_cache, self.ring)  # (B,) each
-        lost = torch.maximum(lost, end - self.ring)  # positions intact: [lost, end)
-        if bool((end < position).any()):
+        self.rows = ring_rows(k_cache)
+        ends = [row.end for row in self.rows]
+        losts = [max(row.lost, row.end - self.ring) for row in self.rows]  # positions intact: [lost, end)
+        if min(ends) < position:
             raise ValueError(f"step at position {position}, but a row of this sliding-window cache holds only "
-                             f"{int(end.min())} positions")
+                             f"{min(ends)} positions")
         needed = max(0, position - window + 1)
-        if bool((lost > needed).any()):
+        if max(losts) > needed:
             raise ValueError(
                 f"step at position {position} needs keys from position {needed} on, but this sliding-window layer "
-                f"keeps only its last {self.ring} positions and has dropped those below {int(lost.max())} "
+                f"keeps only its last {self.ring} positions and has dropped those below {max(losts)} "
                 f"(a rollback deeper than {self.ring - window + 1} tokens past a full window)"
             )
         self.position, self.T = position, T
-        self.old_positions = _ring_positions(end, self.ring)  # (B, ring) before this step
+        self.new_losts = [max(lost, position + T - self.ring) for lost in losts]  # once this step is written
+        device = k_cache.device
+        lost = torch.tensor(losts, device=device)  # (B,)
+        self.old_positions = _ring_positions(torch.tensor(ends, device=device), self.ring)  # (B, ring) before the step
         self.old_valid = (self.old_positions >= lost[:, None]) & (self.old_positions < position)
-        self.new_end = torch.full_like(end, position + T)
-        self.new_lost = torch.maximum(lost, self.new_end - self.ring)
         # a step of at most ring - window + 1 tokens overwrites only keys older than its first query's window
         self.writes_first = T <= self.ring - window + 1
 
     def positions_after(self) -> Tensor:
         """(B, ring): the position each slot holds once this step is written, -1 where it holds nothing valid."""
-        after = _ring_positions(self.new_end, self.ring)
-        return torch.where(after >= self.new_lost[:, None], after, -1)
+        device = self.old_positions.device
+        after = _ring_positions(torch.full((len(self.rows),), self.position + self.T, device=device), self.ring)
+        return torch.where(after >= torch.tensor(self.new_losts, device=device)[:, None], after, -1)
 
     def write(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor) -> None:
         """Store the step's last min(T, ring) keys/values k, v (B, n_kv_heads, T, D) and the new bookkeeping."""
@@ -125,7 +141,8 @@ class _Ring:
         slots = torch.arange(start, start + keep, device=k.device) % self.ring  # (keep,)
         k_cache.index_copy_(2, slots, k[:, :, self.T - keep :])
         v_cache.index_copy_(2, slots, v[:, :, self.T - keep :])
-        _write_meta(k_cache, self.ring, self.new_end, self.new_lost)
+        for row, lost in zip(self.rows, self.new_losts):
+            row.end, row.lost = self.position + self.T, lost
 
 
 @dataclass
