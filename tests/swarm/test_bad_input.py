@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from conftest import PROBE, wait_until
 from corolla import AutoDistributedModelForCausalLM
 from corolla.client.swarm.connection import Connection
 from corolla.client.event_loop import run_sync
@@ -78,8 +79,13 @@ def test_prompt_longer_than_max_length_fails_on_the_client_before_sending(client
 
 
 def test_stream_closed_mid_step_frees_the_session(clients, llama_swarm):
-    connection = open_session(clients[0], llama_swarm.server_peer_ids[0], max_length=64)
+    """The session holds its cache (64 tokens: one row of max_length 64 over the server's two blocks) until its
+    stream is cut in the middle of a frame; then the server frees it, and keeps serving (the autouse fixture)."""
+    server = llama_swarm.procs["server-a"]
+    connection = open_session(clients[0], server.peer_id, max_length=64)
     send_step(connection, torch.zeros(1, 3, 64))
+    held = PROBE.info(server)
+    assert (held.active_sessions, held.info.cache_tokens_total - held.info.cache_tokens_free) == (1, 64)
 
     async def half_a_frame():
         connection.writer.write((10_000).to_bytes(8, "big") + b"\x00" * 100)
@@ -87,7 +93,13 @@ def test_stream_closed_mid_step_frees_the_session(clients, llama_swarm):
         await asyncio.sleep(0.1)
 
     run_sync(half_a_frame())
-    connection.close()  # conftest's shared_swarms_are_left_clean checks that the server freed the cache
+    connection.close()
+
+    def freed() -> bool:
+        reply = PROBE.info(server)
+        return reply.active_sessions == 0 and reply.info.cache_tokens_free == reply.info.cache_tokens_total
+
+    assert wait_until(freed, timeout=20, interval=0.2), f"the cut session still holds its cache: {PROBE.info(server)}"
 
 
 def test_a_stream_the_server_has_no_handler_for_is_named_as_another_protocol(clients, llama_swarm):
