@@ -42,6 +42,7 @@ class ModuleInfo:
     names: set[str]  # bound at top level (including under if/try), plus __all__
     imports: dict[str, str]  # local name -> the dotted name it was imported as
     classes: dict[str, ClassInfo] = field(default_factory=dict)
+    constants: dict[str, object] = field(default_factory=dict)  # NAME = literal at top level
     lazy: bool = False  # defines a module __getattr__: names beyond `names` may exist
 
 
@@ -284,13 +285,16 @@ def _module_info(name: str, path: Path, tree: ast.Module) -> ModuleInfo:
                     alias.name.split(".")[0]
         elif isinstance(node, ast.ImportFrom):
             source = node.module or ""
-            if node.level:
-                source = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([source] if source else []))
+            if node.level:  # from . import x, from ..y import x: relative to this module's package
+                parents = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(parents + ([source] if source else []))
             for alias in node.names:
                 info.names.add(alias.asname or alias.name)
                 info.imports[alias.asname or alias.name] = f"{source}.{alias.name}"
         else:
             info.names.update(_targets(node))
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+                info.constants.update({name: node.value.value for name in _targets(node)})
             if "__all__" in _targets(node) and isinstance(node.value, (ast.List, ast.Tuple)):
                 info.names.update(e.value for e in node.value.elts if isinstance(e, ast.Constant))
     return info

@@ -24,6 +24,8 @@ argparse parsers of `corolla`):
     ```bash block                corolla CMD --flag, python x.py --flag    as for code spans
     ```python block              from corolla.x import Y; Y(kw=...)        the module, Y in it, Y's keywords
     ```text block, prose         something/like_this.py                    the file
+    prose                        corolla.x.y                               as in a code span
+    prose, code span             PROTOCOL_VERSION (N), protocol version N  N is corolla.protocol.PROTOCOL_VERSION
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ FENCE = re.compile(r"^(`{3,})([^`\s]*)\s*$")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 LINK = re.compile(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 PROSE_PY_PATH = re.compile(r"(?<![\w/.\-])((?:[\w.\-]+/)*[\w\-]+\.py)(?![\w/])")
+PROSE_MODULE = re.compile(rf"(?<![\w./`-]){PACKAGE}(?:\.[A-Za-z_]\w*)+")  # corolla.x.y outside code spans
+# what a page says the wire protocol's version is: `PROTOCOL_VERSION` (4), PROTOCOL_VERSION is 4, protocol version 4
+PROTOCOL_VERSION_SAID = re.compile(r"PROTOCOL_VERSION`?\s*(?:\((\d+)\)|is (\d+)|= ?(\d+))|protocol version (\d+)")
 DOTTED = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+$")
 CALL = re.compile(r"^(?P<callee>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\((?P<args>.*)\)$")
 OPERATOR = re.compile(r"^[();<>|&]+$")
@@ -147,6 +152,13 @@ class PageChecker:
         for path in PROSE_PY_PATH.findall(LINK.sub(" ", bare)):
             if (problem := self.path_problem(path)) is not None:
                 found.append(Finding(page, number, path, problem))
+        for dotted in PROSE_MODULE.findall(LINK.sub(" ", bare)):
+            if (problem := self.code.dotted_problem(dotted)) is not None:
+                found.append(Finding(page, number, dotted, problem))
+        version = self.code.modules[f"{PACKAGE}.protocol"].constants.get("PROTOCOL_VERSION")
+        for said in PROTOCOL_VERSION_SAID.finditer(line):
+            if int(next(g for g in said.groups() if g)) != version:
+                found.append(Finding(page, number, said[0].replace("`", ""), f"the protocol version is {version}"))
         return found
 
     def _bash(self, page: str, first: int, block: list[str]) -> list[Finding]:

@@ -14,6 +14,7 @@ import pytest
 
 from code_index import CodeIndex
 from corolla.cli.main import build_parser
+from corolla.protocol import PROTOCOL_VERSION
 from doc_names import CliIndex, PageChecker
 from doc_snippets import doc_pages
 
@@ -38,18 +39,22 @@ def test_every_name_a_page_gives_exists(page: str) -> None:
 
 
 def test_paths_modules_and_their_names_are_resolved() -> None:
-    page = """# Paths
+    page = f"""# Paths
 The chain (`client/chain/chain.py`, `src/corolla/client/chain/nothing.py`) and `server/presence/block_selection.py`;
 `server/presence/no_selection.py`, `tests/swarm/test_*.py`, `tests/swarm/test_zebra_*.py`, `tests/net` and `bench/results/`.
 Modules: `corolla.server.rpc.handler`, `corolla.server.rpc.no_handler`, `server.rpc.handler`, `corolla.netemu`.
 Names in them: `corolla.cli.main.build_parser`, `corolla.cli.main.build_parsers`, `corolla.ClientConfig`.
 A bare file: `pass_pipe.py`, `session_verifier.py`; see also bench/bench_generate.py and bench/bench_nothing.py.
 [a link](../src/corolla/protocol/messages.py), [a dead one](../src/corolla/protocol/telegram.py)
+In prose, corolla.client.chain.chain and corolla.client.chainz; `PROTOCOL_VERSION` ({PROTOCOL_VERSION}), not
+`PROTOCOL_VERSION` ({PROTOCOL_VERSION - 1}); protocol version {PROTOCOL_VERSION + 1}.
 """
     assert stale(page) == [
         (2, "src/corolla/client/chain/nothing.py"), (3, "server/presence/no_selection.py"),
         (3, "tests/swarm/test_zebra_*.py"), (4, "corolla.server.rpc.no_handler"), (5, "corolla.cli.main.build_parsers"),
         (6, "session_verifier.py"), (6, "bench/bench_nothing.py"), (7, "../src/corolla/protocol/telegram.py"),
+        (8, "corolla.client.chainz"), (9, f"PROTOCOL_VERSION ({PROTOCOL_VERSION - 1})"),
+        (9, f"protocol version {PROTOCOL_VERSION + 1}"),
     ]
 
 
