@@ -186,8 +186,8 @@ def longer_model(llama_swarm, tmp_path_factory) -> str:
 
 
 def test_generate_against_a_swarm_missing_blocks_names_them_and_the_server_to_start(llama_swarm, longer_model):
-    result = corolla("generate", longer_model, "--initial-peers", *llama_swarm.initial_peers, "--max-new-tokens", "2",
-                     "w5 w6")
+    result = run_corolla("generate", longer_model, "--initial-peers", *llama_swarm.initial_peers,
+                         "--max-new-tokens", "2", "w5 w6")
     line = error_line(result, 1)
     assert "no server in the swarm holds blocks 4:6" in line
     assert f"corolla serve {longer_model} --initial-peers {llama_swarm.initial_peers[0]} --blocks 4:6" in line
