@@ -8,16 +8,18 @@ argparse parsers of `corolla`):
                                  globs and <placeholders> allowed           src/corolla or src), or a file of that name
                                  corolla.server.rpc.handler(.Name.member)  the module, the name in it, its member
                                  server.rpc.handler (a corolla package)    the same, as corolla.server.rpc.handler
-                                 ClientConfig.verify_rate, Stepper.step    the class, and the attribute on it
+                                 ClientConfig.verify_rate, ServerInfo.x    the class, and the attribute on it
                                  session.x, model.x                        an attribute of InferenceSession / the
                                                                            distributed model classes
-                                 MissingBlocks, SetPush                    a name defined in corolla (or EXTERNAL)
+                                 MissingBlocks, SetPush, ValueError        a name defined in corolla, a builtin, a
+                                                                           library's the code uses, or EXTERNAL
                                  name(...), obj.name(kw=...)               a def of that name taking those keywords
                                  ClientConfig(field=...)                   the class, taking those keywords
                                  snake_case, x.snake_case, kw=             an identifier the code uses somewhere
                                  corolla CMD --flag ...                    the subcommand and each of its flags
-                                 --flag (bare)                             a flag of some corolla command (or of a
-                                                                           script the same line names)
+                                 --flag (bare)                             a flag of some corolla command, else of
+                                                                           the script the line names (any bench/ or
+                                                                           scripts/ one if it names none)
                                  python bench/x.py --flag                  the script, and the flag in its source
                                  tests/x.py::test_name                     the file, and the test in it
     link [..](target)            ../src/corolla/...                        the file, relative to the page
