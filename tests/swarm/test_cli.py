@@ -204,3 +204,28 @@ def test_demo_starts_a_swarm_generates_and_cleans_up():
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("The server") and len(result.stdout.split()) > 2
     assert "serves blocks 0:3" in result.stderr and "serves blocks 3:6" in result.stderr
+
+
+def test_api_warns_at_start_about_blocks_no_server_holds(caplog):
+    """`corolla api` starts even while the swarm lacks blocks (servers may join later; meanwhile each request gets
+    503 missing_blocks), and says so once: which blocks, and the command that serves them."""
+    from types import SimpleNamespace
+
+    from corolla.api.config import ApiConfig
+    from corolla.cli.api_cmd import _default_max_length, _session_limits
+    from corolla.protocol.messages import ServerState
+
+    async def update(force: bool = False) -> None:
+        return None
+
+    online = SimpleNamespace(state=ServerState.ONLINE, max_session_length=512)
+    joining = SimpleNamespace(state=ServerState.JOINING, max_session_length=2048)
+    manager = SimpleNamespace(update=update, block_servers=[{"a": online}, {"b": joining}, {}, {"a": online}])
+    model = SimpleNamespace(sequence_manager=manager, config=SimpleNamespace(max_position_embeddings=1024))
+    config = ApiConfig(model="org/model", initial_peers=(NOBODY,))
+    with caplog.at_level("WARNING", logger="corolla.cli.api_cmd"):
+        limits = _session_limits(model, config)
+    assert limits == [512, None, None, 512] and _default_max_length(model, limits) == 512
+    assert [r.getMessage() for r in caplog.records] == [
+        "no server in the swarm holds blocks 1:3 now: requests fail (503, missing_blocks) until one does "
+        f"(`corolla serve org/model --initial-peers {NOBODY} --blocks 1:3`)"]

@@ -145,10 +145,10 @@ def _session_limits(model, config: ApiConfig) -> list[int | None] | None:
                   default=None) for servers in manager.block_servers]
     missing = [block for block, limit in enumerate(limits) if limit is None]
     if missing:
-        spans = ", ".join(block_spans(missing))
+        spans = block_spans(missing)
         logger.warning("no server in the swarm holds blocks %s now: requests fail (503, missing_blocks) until one does "
-                       "(`corolla serve %s --initial-peers %s --blocks A:B`)", spans, config.model,
-                       ",".join(config.initial_peers))
+                       "(`corolla serve %s --initial-peers %s --blocks %s`)", ", ".join(spans), config.model,
+                       ",".join(config.initial_peers), spans[0] if len(spans) == 1 else "A:B")
     return limits
 
 
