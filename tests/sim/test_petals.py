@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from corolla.client.swarm.routing import Span
 from corolla.server.presence.block_selection import choose_best_blocks
-from corolla.sim.petals import PetalsPolicy, _Holder, choose_window, rebalanced_minimum, route, should_move
+from corolla.sim.petals import (HOP_FIXED, MAX_HOP_RTT, NO_CACHE_PENALTY, UNKNOWN_RTT, PetalsIndex, PetalsPolicy,
+                                _Holder, choose_window, rebalanced_minimum, route, should_move)
 from corolla.sim.step_cost import MEASURED
 
 
@@ -77,3 +79,35 @@ def test_petals_bans_retries_and_announced_throughput():
     assert not policy.gives_up(10**6)
     forward = 1024 / MEASURED.prefill_seconds(1024)
     assert policy.announced_throughput(MEASURED, 1.0, 9) == pytest.approx(forward / 5)
+
+
+def test_the_vectorized_routes_are_the_plain_rules_routes():
+    rng = random.Random(0)
+    for _ in range(200):
+        num_blocks = rng.randint(2, 12)
+        servers = {}
+        for i in range(rng.randint(1, 12)):
+            start = rng.randint(0, num_blocks - 1)
+            servers[f"p{i:02d}"] = (start, rng.randint(start + 1, num_blocks), rng.uniform(0.001, 0.1),
+                                    rng.choice([10, 10**6]))
+        rtts = {p: rng.uniform(0.0, 0.3) for p in servers if rng.random() < 0.8}
+        view = holders(servers, num_blocks)
+        banned = {p for p in servers if rng.random() < 0.2}
+        start = rng.randint(0, num_blocks - 1)
+        end = rng.randint(start + 1, num_blocks)
+        index = PetalsIndex(view, 100, rtts)
+        plain = route(view, start, end, 100, rtts, banned)
+        fast = index.route(start, end, np.ones(len(index.peers)), banned)
+        # equal costs may break ties differently: compare what each route costs
+        assert (plain is None) == (fast is None)
+        if plain is not None:
+            assert cost(plain, servers, rtts) == pytest.approx(cost(fast, servers, rtts))
+
+
+def cost(spans, servers, rtts) -> float:
+    total = 0.0
+    for span in spans:
+        _, _, per_block, free = servers[span.peer_id]
+        total += min(rtts.get(span.peer_id, UNKNOWN_RTT), MAX_HOP_RTT) / 2 + HOP_FIXED + span.length * per_block
+        total += NO_CACHE_PENALTY if free < 100 else 0.0
+    return total

@@ -17,21 +17,22 @@
     client       relays every hop; view refreshed every 60 s; a failing server banned 15 x 2^k s, ignored when
                  every server of a block is banned; retries wait min(2^(n-1), 60) s without limit
 
-What this model assumes beyond those rules: the client knows its round trip to every server (Petals pings only a
-few: this flatters Petals' routes); the simulated rebalance's minimum is computed once per placement change and 30
-simulated seconds (it depends on the swarm, hardly on which server asks), at most 20 rounds; a user stops retrying
-after MAX_STALL seconds.
+What this model assumes beyond those rules: each client knows a round trip to every server, off by a factor of its
+own (lognormal, sigma RTT_NOISE: pinging at other moments), so that clients of one region do not all take the very
+same route (Petals pings only a few servers and prices the others at 0.15 s: the assumption flatters its routes); the simulated rebalance's minimum is computed once per 30 simulated seconds (it
+depends on the swarm, hardly on which server asks; the cost of simulating it for every check of 1,000 servers would
+be hours), at most 20 rounds; a user stops retrying after MAX_STALL seconds.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from corolla.client.swarm.bans import Ban, next_ban
 from corolla.client.swarm.routing import Span
@@ -55,7 +56,14 @@ BAN_BASE = 15.0
 MAX_RETRY_WAIT = 60.0
 MAX_ROUNDS = 20  # of the simulated rebalance (Petals loops until nothing moves)
 MAX_STALL = 600.0  # seconds a simulated user keeps retrying a session
+RTT_NOISE = 0.25  # sigma of the log of the factor between a client's measured round trip and the true one
 QUALITY_CACHE_SECONDS = 30.0
+
+
+@functools.lru_cache(maxsize=256)
+def _windows(total: int, blocks: int) -> np.ndarray:
+    """Indices of every window of `blocks` consecutive blocks out of `total`: (starts, blocks)."""
+    return np.arange(total - blocks + 1)[:, None] + np.arange(blocks)[None, :]
 
 
 def choose_window(blocks: int, throughputs: Sequence[float]) -> tuple[int, int]:
@@ -64,7 +72,7 @@ def choose_window(blocks: int, throughputs: Sequence[float]) -> tuple[int, int]:
     values = np.asarray(throughputs, dtype=float)
     if not 0 < blocks <= len(values):
         raise ValueError(f"cannot host {blocks} blocks of a model with {len(values)}")
-    windows = np.sort(sliding_window_view(values, blocks), axis=1)  # (starts, blocks), each row ascending
+    windows = np.sort(values[_windows(len(values), blocks)], axis=1)  # (starts, blocks), each row ascending
     start = int(np.lexsort(windows.T[::-1])[0])  # lexsort is stable: the earliest of equal windows
     return start, start + blocks
 
@@ -171,7 +179,7 @@ class PetalsPolicy:
         view = [c + share if current[0] <= i < current[1] else c for i, c in enumerate(capacity)]
 
         def rebalanced(target: tuple[int, int]) -> float:
-            key = swarm.key
+            key = swarm.key[1]  # once per 30 simulated seconds (see the module docstring)
             if key not in self._quality_cache:
                 spans = swarm.spans()
                 mine = next((i for i, s in enumerate(spans) if (s[0], s[1], s[2]) == (*current, share)), None)
@@ -200,20 +208,14 @@ class PetalsPolicy:
                     holders[block].append(holder)
         return holders
 
-    def index(self, snapshot: list[list[_Holder]], need: int, rtts: Mapping[str, float],
-              blocks: int) -> tuple[list[list[_Holder]], int, Mapping[str, float], dict]:
-        return snapshot, need, rtts, {}
+    def index(self, snapshot: list[list[_Holder]], need: int, rtts: Mapping[str, float], blocks: int) -> PetalsIndex:
+        return PetalsIndex(snapshot, need, rtts)
 
-    def route(self, index: tuple, start: int, end: int, rng: random.Random,
+    def route(self, index: PetalsIndex, start: int, end: int, rng: random.Random,
               banned: Collection[str]) -> list[Span] | None:
-        holders, need, rtts, cache = index
-        key = (start, end)
-        if not banned and key in cache:
-            return cache[key]
-        found = route(holders, start, end, need, rtts, banned)
-        if not banned:
-            cache[key] = found
-        return found
+        # each client measured its own round trips (module docstring): its own noise on the region's
+        noise = np.random.default_rng(rng.getrandbits(64)).lognormal(0.0, RTT_NOISE, len(index.peers))
+        return index.route(start, end, noise, banned)
 
     def ban(self, previous: Ban | None, now: float, unreachable: bool) -> Ban:
         return next_ban(previous, now, BAN_BASE, float("inf"))
@@ -251,3 +253,55 @@ def route(holders: Sequence[Sequence[_Holder]], start: int, end: int, need: int,
         spans.append(Span(peer, prev, block))
         block = prev
     return spans[::-1]
+
+
+class PetalsIndex:
+    """Petals' routes over one view, vectorized per block (`route` is the same rule written plainly): per block,
+    arrays of its ONLINE holders' peer index, span end, seconds per block and free cache."""
+
+    def __init__(self, holders: Sequence[Sequence[_Holder]], need: int, rtts: Mapping[str, float]):
+        self.peers = sorted({h.peer for block in holders for h in block})
+        number = {peer: i for i, peer in enumerate(self.peers)}
+        self.rtt = np.array([min(rtts.get(peer, UNKNOWN_RTT), MAX_HOP_RTT) for peer in self.peers])
+        self.blocks = [(np.array([number[h.peer] for h in block], dtype=np.int64),
+                        np.array([h.end for h in block], dtype=np.int64),
+                        np.array([h.per_block for h in block]),
+                        np.array([NO_CACHE_PENALTY if h.free < need else 0.0 for h in block]))
+                       for block in holders]
+
+    def route(self, start: int, end: int, noise: np.ndarray, banned: Collection[str]) -> list[Span] | None:
+        """Petals' min-latency route over [start, end) with the client's round trips rtt x noise; None when some
+        block has no usable server."""
+        hop = np.minimum(self.rtt * noise, MAX_HOP_RTT) / 2 + HOP_FIXED
+        if banned:
+            hop = hop.copy()
+            for i, peer in enumerate(self.peers):
+                if peer in banned:
+                    hop[i] = np.inf
+        best = np.full(end + 1, np.inf)
+        best[start] = 0.0
+        came = np.full((end + 1, 2), -1, dtype=np.int64)  # per boundary: (block it came from, peer index)
+        for block in range(start, end):
+            if not np.isfinite(best[block]):
+                continue
+            peers, ends, per_block, penalty = self.blocks[block]
+            if len(peers) == 0:
+                continue
+            stops = np.minimum(ends, end)
+            costs = best[block] + hop[peers] + (stops - block) * per_block + penalty
+            order = np.lexsort((costs, stops))  # by stop, cheapest first
+            firsts = np.unique(stops[order], return_index=True)[1]
+            chosen = order[firsts]
+            better = costs[chosen] < best[stops[chosen]]
+            chosen = chosen[better]
+            best[stops[chosen]] = costs[chosen]
+            came[stops[chosen], 0] = block
+            came[stops[chosen], 1] = peers[chosen]
+        if not np.isfinite(best[end]):
+            return None
+        spans, boundary = [], end
+        while boundary != start:
+            block, peer = came[boundary]
+            spans.append(Span(self.peers[peer], int(block), boundary))
+            boundary = int(block)
+        return spans[::-1]

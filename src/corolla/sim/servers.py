@@ -278,8 +278,11 @@ def request_cache(w: World, server: SimServer, session_id: int, leg: int, tokens
     owner = str(leg)
     server.queue.append(CacheRequest(owner, str(session_id), tokens, w.q.now))
     server.waiting[owner] = (session_id, leg)
-    granted = grant(w, server, answer_now=owner)
-    return granted
+    if tokens > server.cache_free:
+        # exact shortcut: it cannot be granted now, and a request at the end of the queue changes no grant of the
+        # requests before it (server.cache.queue scans oldest first), so there is nothing to ask grants() yet
+        return False
+    return grant(w, server, answer_now=owner)
 
 
 def grant(w: World, server: SimServer, answer_now: str | None = None) -> bool:
