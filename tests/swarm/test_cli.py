@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -131,6 +132,16 @@ def test_a_model_that_is_not_there_is_named_with_what_to_give(command, tmp_path)
     line = error_line(run_corolla(command, str(tmp_path / "no-such-model"), "--initial-peers", NOBODY, *prompt), 2)
     assert "no-such-model" in line
     assert "Give a checkpoint directory (with config.json) or a Hugging Face repo id" in line
+
+
+def test_a_checkpoint_without_a_tokenizer_or_a_missing_demo_model_says_what_is_needed(tiny_llama_path, tmp_path):
+    bare = tmp_path / "bare"  # a config and nothing else (test_generate_command gives tiny_llama_path a tokenizer)
+    bare.mkdir()
+    shutil.copy(Path(tiny_llama_path) / "config.json", bare)
+    line = error_line(run_corolla("generate", str(bare), "--initial-peers", NOBODY, "hi"), 2)
+    assert f"cannot load the tokenizer of {bare}" in line and "needs its tokenizer files" in line
+    line = error_line(run_corolla("demo", "--model", str(tmp_path / "no-such-model")), 2)
+    assert "no-such-model" in line and "Give a checkpoint directory (with config.json)" in line
 
 
 def test_a_port_in_use_says_which_and_how_to_get_another(tiny_llama_path):

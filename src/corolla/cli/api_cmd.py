@@ -15,7 +15,7 @@ import signal
 from corolla.api.auth import ApiKeys
 from corolla.api.config import ApiConfig
 from corolla.api.hosts import is_loopback
-from corolla.cli.common import listening_socket, model_config, url_host
+from corolla.cli.common import listening_socket, load_tokenizer, model_config, url_host
 from corolla.cli.dataclass_args import add_dataclass_arguments, dataclass_from_args
 from corolla.cli.errors import block_spans
 
@@ -47,7 +47,6 @@ def run(args: argparse.Namespace) -> int:
                          "--insecure-no-auth")
     import torch
     import uvicorn
-    from transformers import AutoTokenizer
 
     from corolla import AutoDistributedModelForCausalLM
     from corolla.api.app import build_app
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     model_config(config.model)  # a model that is not there: one clear error before anything slow
     sock = listening_socket(config.host, config.port)  # before the model loads, so a taken port fails at once
     try:
-        tokenizer = AutoTokenizer.from_pretrained(config.model)
+        tokenizer = load_tokenizer(config.model)
         client_config = ClientConfig(initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
                                      swarm_key=config.swarm_key,
                                      request_timeout=config.request_timeout, alloc_timeout=config.alloc_timeout,

@@ -79,6 +79,19 @@ def model_config(model: str):
                          "Face repo id this machine can download") from e
 
 
+def load_tokenizer(model: str):
+    """The checkpoint's tokenizer; ValueError saying what is missing when it has none that transformers can load."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        detail = "" if not first or first.endswith(":") else f" ({first.rstrip('.')})"  # ":": a list follows
+        raise ValueError(f"cannot load the tokenizer of {model}{detail}: the checkpoint needs its tokenizer files "
+                         "(tokenizer.json or tokenizer.model, with tokenizer_config.json)") from e
+
+
 def add_initial_peers_argument(parser: argparse.ArgumentParser, help: str, required: bool = False,
                                default: object = argparse.SUPPRESS) -> None:
     """Declare `--initial-peers` (dest `initial_peers`, a list of multiaddrs): one value that may be comma-separated,

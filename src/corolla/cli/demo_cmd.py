@@ -47,12 +47,12 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
     from corolla import AutoDistributedModelForCausalLM
-    from corolla.checkpoint import load_config
+    from corolla.cli.common import model_config
     from corolla.cli.local_swarm import LocalSwarm
     from corolla.models import get_family
 
     model_path = args.model or str(demo_model_path())
-    config = load_config(model_path)
+    config = model_config(model_path)
     num_blocks = get_family(config).num_blocks(config)
     servers = max(1, min(args.servers, num_blocks))
     bounds = [round(i * num_blocks / servers) for i in range(servers + 1)]

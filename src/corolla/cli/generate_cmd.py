@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from corolla.cli.common import add_initial_peers_argument, model_config
+from corolla.cli.common import add_initial_peers_argument, load_tokenizer, model_config
 from corolla.protocol.codecs import CODECS
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -123,14 +123,13 @@ def load_assistant(args: argparse.Namespace):
 
 def load_client(args: argparse.Namespace):
     import torch
-    from transformers import AutoTokenizer
 
     from corolla import AutoDistributedModelForCausalLM
 
     model_config(args.model)  # a model that is not there: one clear error before anything slow
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)
     model = AutoDistributedModelForCausalLM.from_pretrained(
         args.model,
         initial_peers=args.initial_peers,
