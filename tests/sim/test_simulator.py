@@ -15,7 +15,7 @@ from corolla.sim.simulator import World
 ONE_REGION = dict(regions=(Region("lan", 1.0, 1.0),), rtt_ms=((10.0,),))
 SLOW = SpeedClass("slow", 1.0, 0.5, 8, 65_536)
 SMALL = dict(servers=12, blocks=20, duration=400.0, warmup=120.0, join_period=30.0, churn=0.0, burst_fraction=0.0,
-             new_tokens_min=32, new_tokens_max=64, demand=0.5, classes=(SLOW,))
+             new_tokens_min=96, new_tokens_max=160, demand=0.4, classes=(SLOW,))
 FIELDS = ("served_tokens_per_s", "capacity_bound_tokens_per_s", "tpot_ms_p50", "tpot_ms_p99", "admission_wait_s_p99",
           "failed_sessions", "uncovered_block_seconds", "moves_per_server_hour", "dht_bytes_per_server_per_min",
           "wall_s")
@@ -30,8 +30,8 @@ def test_a_run_is_a_function_of_its_scenario_and_seed():
     assert without_wall(a) == without_wall(b)
     assert without_wall(simulate(Scenario(**SMALL, seed=4))) != without_wall(a)
     assert all(field in a for field in FIELDS)
-    assert a["failed_sessions"] == 0 and a["finished_sessions"] > 200
-    assert 0.3 < a["served_fraction_of_bound"] < 0.7  # half the bound asked for, served
+    assert a["failed_sessions"] == 0 and a["finished_sessions"] > 100
+    assert 0.3 < a["served_fraction_of_bound"] < 0.5  # 0.4 of the bound asked for, served
 
 
 def test_sessions_fail_over_when_servers_crash_and_none_is_lost():

@@ -147,9 +147,15 @@ def test_a_block_gets_its_servers_throughput_shared_over_their_blocks():
     assert rebalancing.holder_counts(view) == [2, 1, 1, 2]
 
 
-def test_the_watch_runs_while_a_block_has_fewer_than_three_servers():
-    assert rebalancing.needs_watch([3, 5, 2]) and not rebalancing.needs_watch([3, 3, 4])
+def test_the_watch_runs_while_a_block_has_fewer_than_five_servers_and_pings_theirs():
+    assert rebalancing.needs_watch([5, 6, 4]) and not rebalancing.needs_watch([5, 5, 9])
     assert rebalancing.uncovered([1.0, 0.0]) and not rebalancing.uncovered([1.0, 0.5])
+    many = {f"p{i}": info(0, 2, 10.0) for i in range(6)}
+    view = [many, many, {"x": info(2, 4, 10.0), "me": info(2, 3, 10.0)},
+            {"x": info(2, 4, 10.0), "off": info(3, 4, 10.0, ServerState.OFFLINE)}]
+    assert rebalancing.to_check(view, me="me") == ["x"]  # blocks 2 and 3 are thin; OFFLINE records do not count
+    # a crashed server's record outlives it: the watch's pings drop it from the view
+    assert rebalancing.swarm_capacity(view, me="me", gone={"x"})[2:] == [0.0, 0.0]
 
 
 def test_of_two_servers_that_chose_the_same_blocks_only_the_larger_peer_id_settles_elsewhere():

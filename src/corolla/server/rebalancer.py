@@ -3,8 +3,8 @@
     settle()   before loading: wait a short random delay, re-read the swarm, and take other blocks for free if
                another server took the same ones (`settle_move`); at most MAX_SETTLES times
     run()      the balance check every ~balance_period, and the coverage watch (every watch_period while some
-               block has fewer than 3 servers, at once when one has none); a positive plan waits a random stagger,
-               re-reads and plans again, then `move()`s
+               block has fewer than 3 servers, pinging their servers; at once when one has none); a positive plan
+               waits a random stagger, re-reads and plans again, then `move()`s
     move()     OFFLINE for the old blocks (no new sessions) and a JOINING record for the target (others see it is
                taken), drain the open sessions for up to drain_timeout (none for an urgent move), then load the
                target through JOINING -> ONLINE again
@@ -21,7 +21,9 @@ import time
 from typing import TYPE_CHECKING
 
 from corolla.dht import fetch_block_servers
+from corolla.dht.ping import ping
 from corolla.dht.records import announce_blocks
+from corolla.protocol.errors import PeerUnavailable, ProtocolError
 from corolla.protocol.messages import ServerInfo, ServerState
 from corolla.server.presence import rebalancing
 from corolla.server.presence.announcer import Announcer
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 MAX_SETTLES = 3  # re-choices before loading, at most
 DRAIN_POLL = 0.5  # seconds between looks at the sessions still open while draining
+PING_TIMEOUT = 2.0  # seconds a server of a thinly served block has to answer the watch's ping
 
 
 class Rebalancer:
@@ -88,21 +91,31 @@ class Rebalancer:
 
     # ------------------------------------------------------------------ while serving
     async def run(self) -> None:
-        """Balance checks and the coverage watch, until cancelled. A move that fails stops the server."""
+        """Balance checks and the coverage watch, until cancelled. A move that fails stops the server.
+
+        The watch pings the servers of thinly served blocks every watch_period and re-reads the swarm only every
+        rebalancing.WATCH_READS-th time, or at once when one of them stopped answering (a read of every block costs far more
+        than a few pings)."""
         next_check = time.monotonic() + rebalancing.check_delay(self.rng, self.config.balance_period)
-        watching = True
+        view: list[dict[str, ServerInfo]] | None = None
+        ticks = 0
         while True:
+            watching = view is not None and rebalancing.needs_watch(rebalancing.holder_counts(view))
             now = time.monotonic()
-            wake = next_check if not watching else min(next_check, now + self.config.watch_period)
-            await asyncio.sleep(max(0.0, wake - now))
+            await asyncio.sleep(max(0.0, (min(next_check, now + self.config.watch_period) if watching
+                                          else next_check) - now))
+            due = time.monotonic() >= next_check
+            ticks += 1
             try:
-                view = await self._read()
+                gone = await self._gone(view) if watching and view is not None else set()
+                if view is None or due or gone or ticks % rebalancing.WATCH_READS == 0:
+                    view = await self._read()
+                    gone = await self._gone(view) if rebalancing.needs_watch(rebalancing.holder_counts(view)) \
+                        else set()
             except Exception as e:  # the DHT may be briefly unreachable; check again next period
                 logger.warning("rebalancing check failed: %s", e)
                 continue
-            watching = rebalancing.needs_watch(rebalancing.holder_counts(view))
-            capacity = rebalancing.swarm_capacity(view, self._me())
-            due = time.monotonic() >= next_check
+            capacity = rebalancing.swarm_capacity(view, self._me(), gone)
             if due:
                 next_check = time.monotonic() + rebalancing.check_delay(self.rng, self.config.balance_period)
             if not due and not rebalancing.uncovered(rebalancing.with_own(capacity, self._current(), self._share())):
@@ -116,6 +129,29 @@ class Rebalancer:
                 logger.exception("could not move to blocks %d:%d; stopping", *move.target)
                 self.server.stop()
                 return
+            view = None
+
+    async def _gone(self, view: list[dict[str, ServerInfo]]) -> set[str]:
+        """The servers of thinly served blocks that do not answer a ping (rebalancing.to_check)."""
+        server = self.server
+        assert server.node is not None
+        peers = rebalancing.to_check(view, self._me())
+        maddrs = {peer: info.maddrs for by_peer in view for peer, info in by_peer.items()}
+
+        async def dead(peer: str) -> bool:
+            try:
+                await ping(server.node, peer, maddrs.get(peer, ()), connect_timeout=PING_TIMEOUT, timeout=PING_TIMEOUT)
+            except PeerUnavailable:
+                return True
+            except ProtocolError:  # it answered, oddly: it is there
+                pass
+            return False
+
+        answers = await asyncio.gather(*(dead(peer) for peer in peers))
+        gone = {peer for peer, is_dead in zip(peers, answers) if is_dead}
+        if gone:
+            logger.info("rebalance.watch: %s no longer answer; their blocks count without them", ",".join(gone))
+        return gone
 
     def _plan(self, capacity: list[float]) -> Move | None:
         move = rebalancing.plan_move(self._current(), self._share(), capacity, self.config.balance_quality,
@@ -130,7 +166,9 @@ class Rebalancer:
         if move is None:
             return None
         await asyncio.sleep(self.rng.uniform(0.0, self.config.move_stagger / (10.0 if move.urgent else 1.0)))
-        return self._plan(rebalancing.swarm_capacity(await self._read(), self._me()))
+        view = await self._read()
+        gone = await self._gone(view) if rebalancing.needs_watch(rebalancing.holder_counts(view)) else set()
+        return self._plan(rebalancing.swarm_capacity(view, self._me(), gone))
 
     async def move(self, move: Move) -> None:
         """Leave the current blocks (draining open sessions), then serve `move.target`."""

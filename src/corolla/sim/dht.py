@@ -11,6 +11,7 @@ addresses and five next-hop pings, plus its signed envelope and subkey).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import msgpack
@@ -121,13 +122,22 @@ class SimDht:
         """Bytes of one read of every block's records now."""
         return int(self.listed.sum()) * self.record_bytes
 
-    def capacity_without(self, server: int) -> list[float]:
-        """The placement view as `server` reads it: everyone's shares but its own."""
+    def capacity_without(self, server: int, gone: Collection[int] = ()) -> list[float]:
+        """The placement view as `server` reads it: everyone's shares but its own and those of the `gone` servers
+        (server.presence.rebalancing.swarm_capacity)."""
         capacity = self.capacity.copy()
-        own = self.records.get(server)
-        if own is not None and own.state != ServerState.OFFLINE:
-            capacity[own.start : own.end] -= own.share
+        for other in {server, *gone}:
+            record = self.records.get(other)
+            if record is not None and record.state != ServerState.OFFLINE:
+                capacity[record.start : record.end] -= record.share
         return np.maximum(capacity, 0.0).tolist()
+
+    def thin_holders(self, server: int, watch_holders: int) -> list[int]:
+        """The other servers with a JOINING or ONLINE record on a block that has fewer than `watch_holders` of
+        them (server.presence.rebalancing.to_check)."""
+        thin = self.holders < watch_holders
+        return [s for s, r in self.records.items()
+                if s != server and r.state != ServerState.OFFLINE and thin[r.start : r.end].any()]
 
     def joining_overlapping(self, server: int, start: int, end: int) -> list[str]:
         """Peer ids of the other JOINING records overlapping [start, end)."""

@@ -5,9 +5,10 @@ are solved for and the sessions' tokens advance by rate x tick. Per server s (sp
 
     demand    D_s = sum over its sessions of rate x blocks they use on it          (block-tokens/s)
     batch     B_s = the batch at which v x (B / step(B)) keeps up with D_s (step_cost.BatchCurve), at most
-              max_batch (its most efficient batch while it has a queue, o_s > 1); a server with prefills to do
-              spends up to MAX_PREFILL_SHARE of its time on them (a backlog carried from tick to tick), and
-              decodes in the rest
+              max_batch (its most efficient batch while it has a queue, o_s > 1). Prefills as the real worker
+              runs them: a short one (at most ServerConfig.merge_max_tokens) at decode priority, taking its
+              time from decoding; long ones (replays after a failover) from a backlog carried from tick to tick,
+              in the time decoding leaves, at least MIN_PREFILL_SHARE
     step      c_s = step(B_s) / v / (1 - prefill share)              (seconds per block per decode step)
     overload  o_s: a queue in front of a saturated server, multiplied each tick by sqrt(D_s / peak rate) and
               never below 1: it grows while the server is asked more than its peak, shrinks back after
@@ -29,7 +30,7 @@ import numpy as np
 
 from corolla.sim.step_cost import BatchCurve
 
-MAX_PREFILL_SHARE = 0.5  # a server spends at most this share of its time on prefills (the rest decodes)
+MIN_PREFILL_SHARE = 0.1  # the share of a saturated server's time prefills still get (between decode batches)
 
 
 class Fluid:
@@ -51,13 +52,15 @@ class Fluid:
         # per server, updated by `solve`
         self.speed = np.ones(1)
         self.span = np.ones(1)
-        self.prefill_work = np.zeros(1)  # seconds of prefill compute each server still has to do (a backlog)
+        self.prefill_work = np.zeros(1)  # seconds of long prefills each server still has to do (a backlog)
+        self.prefill_now = np.zeros(1)  # seconds of short prefills asked since the last solve (run at once)
         self.avail = np.ones(1)  # share of time left for decoding
         self.per_block = np.zeros(1)  # seconds per block per token, queueing included
         self.wait = np.zeros(1)  # seconds a visit waits for the step already running
         self.batch = np.ones(1)
         self.demand = np.zeros(1)
         self.overload = np.ones(1)  # per server: how much longer steps take for the queue in front of them
+        self.busy = np.zeros(1)  # per server: the share of its time decoding took at the last solve
 
     # ------------------------------------------------------------------ servers
     def ensure_servers(self, count: int) -> None:
@@ -65,9 +68,9 @@ class Fluid:
         if count + 1 <= len(self.speed):
             return
         size = max(count + 1, 2 * len(self.speed))
-        for name, fill in (("speed", 1.0), ("span", 1.0), ("prefill_work", 0.0), ("avail", 1.0),
+        for name, fill in (("speed", 1.0), ("span", 1.0), ("prefill_work", 0.0), ("prefill_now", 0.0), ("avail", 1.0),
                            ("per_block", 0.0), ("wait", 0.0), ("batch", 1.0), ("demand", 0.0),
-                           ("overload", 1.0)):
+                           ("overload", 1.0), ("busy", 0.0)):
             old = getattr(self, name)
             new = np.full(size, fill)
             new[: len(old)] = old
@@ -127,9 +130,12 @@ class Fluid:
     # ------------------------------------------------------------------ a tick
     def solve(self, dt: float, iterations: int = 2) -> None:
         """New rates for every active session, and each server's state (see the module docstring)."""
-        share = np.minimum(self.prefill_work / dt, MAX_PREFILL_SHARE)
+        merged = np.minimum(self.prefill_now / dt, 1.0 - MIN_PREFILL_SHARE)  # short prompts, at decode priority
+        self.prefill_now[:] = 0.0
+        share = np.minimum(self.prefill_work / dt, self.prefill_share())
         self.prefill_work -= share * dt
-        self.avail = 1.0 - share
+        # decode steps go first: long prefills slow decoding only by what they take beyond the time left idle
+        self.avail = np.maximum(MIN_PREFILL_SHARE, 1.0 - merged - np.maximum(0.0, share + self.busy - 1.0))
         active = np.flatnonzero(self.active)
         servers, blocks = self.hop_server[active], self.hop_blocks[active]
         used = blocks > 0
@@ -158,6 +164,9 @@ class Fluid:
         demand[self.dummy] = 0.0
         self.overload = np.maximum(1.0, self.overload * np.sqrt(demand / capacity / self.curve.peak))
         self.demand, self.batch, self.per_block, self.wait = demand, batch, per_block, wait
+        # the share of its full time decoding takes (what the next tick's prefills may not use)
+        self.busy = np.minimum(1.0, demand * self.curve.step_seconds(batch) / self.speed / batch)
+        self.busy[self.dummy] = 0.0
 
     def advance(self, now: float, dt: float) -> tuple[float, np.ndarray, np.ndarray]:
         """Decode the `dt` seconds up to `now` (a session that started decoding since, from then on): returns
@@ -170,6 +179,11 @@ class Fluid:
         done = after >= target
         at = begin[done] + (target[done] - before[done]) / np.maximum(rate[done], 1e-12)
         return float((after - before).sum()), active[done], np.minimum(at, now)
+
+    def prefill_share(self) -> np.ndarray:
+        """Per server, the share of its time long prefills get: what decoding left at the last solve, at least
+        MIN_PREFILL_SHARE, and at most all but that (decode steps that arrive go first)."""
+        return np.clip(1.0 - self.busy, MIN_PREFILL_SHARE, 1.0 - MIN_PREFILL_SHARE)
 
     def announced_step_seconds(self, server: int) -> float:
         """What the server would announce as its step_seconds: per block, its step plus its share of the wait."""

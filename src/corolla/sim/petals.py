@@ -18,8 +18,9 @@
                  every server of a block is banned; retries wait min(2^(n-1), 60) s without limit
 
 What this model assumes beyond those rules: each client knows a round trip to every server, off by a factor of its
-own (lognormal, sigma RTT_NOISE: pinging at other moments), so that clients of one region do not all take the very
-same route (Petals pings only a few servers and prices the others at 0.15 s: the assumption flatters its routes); the simulated rebalance's minimum is computed once per 30 simulated seconds (it
+own (lognormal, sigma RTT_NOISE: pinging at other moments), so that clients of one region do not all take the
+very same route (Petals pings only a few servers and prices the others at 0.15 s: the assumption flatters its
+routes); the simulated rebalance's minimum is computed once per 30 simulated seconds (it
 depends on the swarm, hardly on which server asks; the cost of simulating it for every check of 1,000 servers would
 be hours), at most 20 rounds; a user stops retrying after MAX_STALL seconds.
 """

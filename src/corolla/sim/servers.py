@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from corolla.protocol.messages import ServerState
 from corolla.server.cache.queue import CacheRequest, grants, peer_limit
-from corolla.server.presence.rebalancing import Move, uncovered
+from corolla.server.presence.rebalancing import WATCH_HOLDERS, WATCH_READS, Move, uncovered, with_own
 from corolla.sim.dht import Record
 from corolla.sim.scenario import SpeedClass
 
@@ -46,6 +46,8 @@ class SimServer:
     last_move: float = 0.0
     moves: int = 0
     settles: int = 0
+    watching: bool = False  # its coverage watch is running
+    watch_ticks: int = 0
     cache_free: int = 0
     sessions: dict[int, int] = field(default_factory=dict)  # session id -> cache tokens it holds here
     queue: list[CacheRequest] = field(default_factory=list)
@@ -159,16 +161,30 @@ def _online(w: World, server: SimServer, epoch: int) -> None:
 
 # ---------------------------------------------------------------- moving
 def _schedule_watch(w: World, server: SimServer, epoch: int) -> None:
+    """Keep watching while the policy wants it (the balance check looks again: `_check`)."""
     period = w.policy.watch_period(w.dht.holders.tolist())
+    server.watching = period is not None
     if period is not None:
         w.q.after(period, _watch, w, server, epoch)
 
 
+def _gone(w: World, server: SimServer) -> set[int]:
+    """What the watch's pings find: the servers of thinly served blocks that are no longer there."""
+    return {s for s in w.dht.thin_holders(server.id, WATCH_HOLDERS) if not w.servers[s].alive}
+
+
 def _watch(w: World, server: SimServer, epoch: int) -> None:
+    """server.rebalancer's watch: pings the servers of thinly served blocks, re-reads the swarm every WATCH_READS
+    times or when one stopped answering."""
     if server.epoch != epoch or not server.alive:
         return
-    w.dht.read_all(by_server=True)
-    if uncovered(w.dht.capacity.tolist()):
+    server.watch_ticks += 1
+    gone = _gone(w, server)
+    if gone or server.watch_ticks % WATCH_READS == 0:
+        w.dht.read_all(by_server=True)
+    own = share(w, server, server.start, server.end)
+    capacity = with_own(w.dht.capacity_without(server.id, _gone(w, server)), (server.start, server.end), own)
+    if uncovered(capacity):
         _decide(w, server, epoch, staggered=False)
     if server.epoch == epoch:
         _schedule_watch(w, server, epoch)
@@ -181,12 +197,16 @@ def _check(w: World, server: SimServer, epoch: int) -> None:
     _decide(w, server, epoch, staggered=False)
     if server.epoch == epoch:
         w.q.after(w.policy.check_delay(w.rng), _check, w, server, epoch)
+        if not server.watching:
+            _schedule_watch(w, server, epoch)
 
 
 def _plan(w: World, server: SimServer) -> Move | None:
     current = (server.start, server.end)
-    return w.policy.plan(current, share(w, server, *current), w.dht.capacity_without(server.id),
-                         w.q.now - server.last_move, w.rng, w.swarm_spans())
+    watching = w.policy.watch_period(w.dht.holders.tolist()) is not None
+    capacity = w.dht.capacity_without(server.id, _gone(w, server) if watching else ())
+    return w.policy.plan(current, share(w, server, *current), capacity, w.q.now - server.last_move, w.rng,
+                         w.swarm_spans())
 
 
 def _decide(w: World, server: SimServer, epoch: int, staggered: bool) -> None:

@@ -27,7 +27,7 @@ from corolla.sim import servers as srv
 from corolla.sim import sessions as ses
 from corolla.sim.dht import SimDht
 from corolla.sim.events import EventQueue
-from corolla.sim.fluid import MAX_PREFILL_SHARE, Fluid
+from corolla.sim.fluid import MIN_PREFILL_SHARE, Fluid
 from corolla.sim.metrics import Metrics
 from corolla.sim.policy import defaults, make_policy
 from corolla.sim.scenario import Scenario, validated
@@ -69,6 +69,7 @@ class World:
         self.fluid = Fluid(self.curve, s.hop_overhead)
         self.metrics = Metrics(s.warmup, s.burst_at if s.burst_fraction > 0 else None)
         self.policy_peer_share = server_defaults["max_peer_cache_share"]
+        self.merge_max_tokens = server_defaults["merge_max_tokens"]
         self.cache_patience = server_defaults["cache_queue_patience"]
         self.alloc_timeout = min(client_defaults["alloc_timeout"], server_defaults["max_alloc_timeout"])
         self.missing_wait = client_defaults["missing_blocks_wait"]
@@ -165,9 +166,14 @@ class World:
         server's prefill backlog (the fluid model's prefill share)."""
         server, f = self.servers[server_id], self.fluid
         work = blocks * self.cost.prefill_seconds(tokens, server.kind.speed)
+        if tokens <= self.merge_max_tokens:  # one merged task at decode priority (server.compute.planner)
+            f.prefill_now[server_id] += work
+            return work / max(float(f.avail[server_id]), MIN_PREFILL_SHARE) + f.wait[server_id] + \
+                self.scenario.hop_overhead
         f.prefill_work[server_id] += work
         # the server works through its prefills in order, at the share of its time it gives them
-        return f.prefill_work[server_id] / MAX_PREFILL_SHARE + f.wait[server_id] + self.scenario.hop_overhead
+        share = min(max(1.0 - float(f.busy[server_id]), MIN_PREFILL_SHARE), 1.0 - MIN_PREFILL_SHARE)
+        return f.prefill_work[server_id] / share + f.wait[server_id] + self.scenario.hop_overhead
 
     def _arrive(self) -> None:
         self._new_session(None)

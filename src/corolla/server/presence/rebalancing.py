@@ -14,7 +14,9 @@ A server's life, as these functions decide it:
                loaded yet) when should_move says so, unless a JOINING server with a larger peer id shares our
                blocks (it is the one to give way: two servers that chose the same blocks do not both leave them)
     watch:     while the last read showed a block with fewer than WATCH_HOLDERS servers (`needs_watch`), re-read
-               every watch period; a block without any server (`uncovered`) triggers a check at once
+               every watch period and ping the servers of such blocks (`to_check`): a crashed one's record stays
+               until it expires, and a block it alone held must not look covered meanwhile; a block without any
+               live server (`uncovered`) triggers a check at once
     check:     every `check_delay` (the balance period, jittered), and at once on an uncovered block: `plan_move`
     move:      stagger (random delay, re-read, decide again), then drain: OFFLINE for new sessions, open ones
                served until they end or `drain_seconds` pass; then load the new blocks
@@ -30,13 +32,14 @@ no server (allowed only when that uncovers fewer blocks than it covers) drains f
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from corolla.protocol.messages import ServerInfo, ServerState
 from corolla.server.presence.block_selection import should_move
 
-WATCH_HOLDERS = 3  # a read showing a block with fewer servers than this keeps the watch polling
+WATCH_HOLDERS = 5  # a read showing a block with fewer servers than this keeps the watch polling (and pinging them)
+WATCH_READS = 6  # the watch re-reads the swarm every this many watch periods (and whenever a ping fails)
 
 
 def block_share(throughput: float, start: int, end: int) -> float:
@@ -44,13 +47,30 @@ def block_share(throughput: float, start: int, end: int) -> float:
     return throughput / max(1, end - start)
 
 
-def swarm_capacity(block_servers: Sequence[Mapping[str, ServerInfo]], me: str | None = None) -> list[float]:
-    """Per block, the summed `block_share` of every JOINING or ONLINE server announcing it, except `me`."""
+def swarm_capacity(block_servers: Sequence[Mapping[str, ServerInfo]], me: str | None = None,
+                   gone: Collection[str] = ()) -> list[float]:
+    """Per block, the summed `block_share` of every JOINING or ONLINE server announcing it, except `me` and the
+    servers known to be `gone` (their records outlive them until they expire)."""
     return [
         sum(block_share(info.throughput, info.start_block, info.end_block)
-            for peer, info in by_peer.items() if peer != me and info.state != ServerState.OFFLINE)
+            for peer, info in by_peer.items()
+            if peer != me and peer not in gone and info.state != ServerState.OFFLINE)
         for by_peer in block_servers
     ]
+
+
+def to_check(block_servers: Sequence[Mapping[str, ServerInfo]], me: str,
+             watch_holders: int = WATCH_HOLDERS) -> list[str]:
+    """The servers worth asking whether they are still there: the others holding a block that has fewer than
+    `watch_holders` servers (a crashed server's record stays until it expires: up to ServerConfig.expiration
+    seconds in which its blocks look covered; where a block has several servers, one more or less changes
+    nothing urgent, and asking them all would cost every server a ping to every other)."""
+    peers: set[str] = set()
+    for by_peer in block_servers:
+        live = {peer for peer, info in by_peer.items() if info.state != ServerState.OFFLINE}
+        if len(live) < watch_holders:
+            peers |= live - {me}
+    return sorted(peers)
 
 
 def holder_counts(block_servers: Sequence[Mapping[str, ServerInfo]]) -> list[int]:
