@@ -13,6 +13,7 @@ ending it at the first push into a session that just closed would lose the other
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -111,10 +112,14 @@ class PushReceiver:
                 handed_over = True
                 self.running.add(task)
                 task.add_done_callback(self.running.discard)
-                task.add_done_callback(lambda _: self.budget.give_back(peer, length))
+                # this frame's own length: `length` is the next frame's by the time the step has run
+                task.add_done_callback(functools.partial(self._give_back, peer, length))
             finally:
                 if not handed_over:
                     self.budget.give_back(peer, length)
+
+    def _give_back(self, peer: str, nbytes: int, _task: asyncio.Task[None]) -> None:
+        self.budget.give_back(peer, nbytes)
 
     def _refusal(self, peer: str, message: PushStep, tensors: Mapping[str, torch.Tensor]
                  ) -> tuple[LiveSession | None, PushRefusal | None, str] | None:
