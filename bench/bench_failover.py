@@ -62,7 +62,7 @@ class KillAt:
         if self.killed_at is not None and self.failover_s is None:
             self.failover_s = time.perf_counter() - self.killed_at
         if self.seen == self.n:
-            peer = self.session.chain.spans[self.span_index].span.peer_id
+            peer = self.session.route[self.span_index].peer_id
             self.victim = peer
             self.killed_at = time.perf_counter()
             self.local.kill(self.by_peer[peer], signal.SIGKILL)

@@ -178,5 +178,5 @@ def test_a_session_selects_its_own_adapter_on_a_base_client(clients, peft_model,
     assert not torch.equal(expected, expected_base), "the adapter should change the greedy tokens"
     with base.inference_session(max_length=32, active_adapter=adapter) as session:
         assert torch.equal(base.generate(prompt, max_new_tokens=10, session=session), expected)
-        assert all(span.span.peer_id != lora_swarm[0].peer_ids["c"] for span in session.chain.spans)
+        assert all(s.peer_id != lora_swarm[0].peer_ids["c"] for s in session.route)
     assert torch.equal(base.generate(prompt, max_new_tokens=10), expected_base)

@@ -119,7 +119,7 @@ def test_a_server_failing_in_the_middle_of_a_pipelined_prefill_changes_nothing(s
     try:
         with model.inference_session(max_length=64) as session:
             out = model.generate(PROMPT, max_new_tokens=12, session=session)
-            peers = [s.span.peer_id for s in session.chain.spans]
+            peers = [s.peer_id for s in session.route]
     finally:
         model.shutdown()
     assert torch.equal(out, reference.generate(PROMPT, max_new_tokens=12, do_sample=False))

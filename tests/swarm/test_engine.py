@@ -191,6 +191,6 @@ def test_server_given_only_num_blocks_takes_the_blocks_nobody_serves(swarm, refe
     prompt = make_prompt(5)
     with client(swarm, prefix) as model, model.transformer.inference_session(max_length=prompt.shape[1] + NEW_TOKENS) as session:
         out = model.generate(prompt, max_new_tokens=NEW_TOKENS, session=session)
-        route = [(s.span.peer_id, s.span.start, s.span.end) for s in session.chain.spans]
+        route = [(s.peer_id, s.start, s.end) for s in session.route]
     assert torch.equal(out, reference.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False))
     assert route == [(swarm.peer_ids["head"], 0, 2), (proc.peer_id, 2, 4)]

@@ -65,7 +65,7 @@ def generate_with(model, streamer: ActAfter) -> tuple[torch.Tensor, list[str]]:
     """30 greedy tokens in one session; returns them and the peer ids the session ended on."""
     with model.inference_session(max_length=64) as session:
         out = model.generate(PROMPT, max_new_tokens=30, session=session, streamer=streamer)
-        return out, [s.span.peer_id for s in session.chain.spans]
+        return out, [s.peer_id for s in session.route]
 
 
 def test_kill9_mid_generation_with_a_replica_keeps_greedy_output_identical(start_swarm, expected):

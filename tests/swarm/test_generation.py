@@ -72,16 +72,16 @@ def test_beam_search_survives_a_broken_stream_by_replaying_reordered_history(mod
     kwargs = dict(max_new_tokens=10, num_beams=4, eos_token_id=None)
     expected = reference.generate(PROMPT, do_sample=False, **kwargs)
     with model.inference_session(max_length=32, batch_size=4) as session:
-        original_step, calls, replaced = session.step, [0], []
+        original_feed, calls, replaced = session.feed, [0], []
 
-        def step(hidden, attention_mask=None, last=None):
+        def feed(embeddings, attention_mask=None, last=None):
             calls[0] += 1
             if calls[0] == 5:  # a decode step carrying a reordering: break span 1's stream before it is sent
                 replaced.append(session.chain.spans[1])
                 session.chain.spans[1].connection.close()
-            return original_step(hidden, attention_mask, last)
+            return original_feed(embeddings, attention_mask, last)
 
-        session.step = step
+        session.feed = feed
         got = model.generate(PROMPT, session=session, **kwargs)
         assert replaced and session.chain.spans[1] is not replaced[0], "the broken span was not replaced"
     assert torch.equal(got, expected)

@@ -314,6 +314,6 @@ def test_killing_a_server_mid_generation_replays_the_session_onto_the_replica(sw
     with model.inference_session(max_length=64) as session:
         out = model.generate(ids, max_new_tokens=20, session=session, eos_token_id=None,
                              streamer=_KillAfter(8, lambda: swarms.local.kill(victim)))
-        ended_on = [span.span.peer_id for span in session.chain.spans]
+        ended_on = [s.peer_id for s in session.route]
     assert swarms.peer_ids["replica"] in ended_on and swarms.peer_ids[f"{FAILOVER_TYPE}-0:2"] not in ended_on
     assert torch.equal(out, hf_generate(reference, ids, max_new_tokens=20))

@@ -30,7 +30,7 @@ def run(model, streamer=None):
     with model.inference_session(max_length=64) as session:
         out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, streamer=streamer)
         manager = session.manager
-        return (out, [s.span.peer_id for s in session.chain.spans], set(manager.distrusted), manager.banned(),
+        return (out, [s.peer_id for s in session.route], set(manager.distrusted), manager.banned(),
                 session.unverified, model.reputation())
 
 
@@ -124,7 +124,7 @@ def test_a_corrupt_push_among_passes_in_flight_convicts_the_pusher_and_the_outpu
         out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, assistant_model=drafter,
                              num_assistant_tokens=3, assistant_confidence_threshold=0.0, passes_in_flight=4,
                              streamer=ActAfter(4, lambda: arm(swarm, "middle")))
-        peers = [s.span.peer_id for s in session.chain.spans]
+        peers = [s.peer_id for s in session.route]
         distrusted, banned = set(session.manager.distrusted), session.manager.banned()
         assert session.most_in_flight >= 3
     assert torch.equal(out, expected)

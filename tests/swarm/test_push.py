@@ -53,7 +53,7 @@ def generate(model, streamer=None) -> tuple[torch.Tensor, list[str], int, int, i
     exchanges (requests the client waited for)."""
     with model.inference_session(max_length=64) as session:
         out = model.generate(PROMPT, max_new_tokens=30, session=session, streamer=streamer)
-        return out, [s.span.peer_id for s in session.chain.spans], session.steps, session.pushed_steps, session.exchanges
+        return out, [s.peer_id for s in session.route], session.steps, session.pushed_steps, session.exchanges
 
 
 @pytest.mark.parametrize("push", [True, False])

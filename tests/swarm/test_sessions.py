@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from corolla import AutoDistributedModelForCausalLM
 from corolla.client.event_loop import run_sync
-from corolla.client.session.inference_session import InferenceSession
+from corolla.client.chain.chain import Chain
 
 PENALTY = 1.2  # the seed's repetition_penalty: it reads the whole context, so a wrong context shows
 
@@ -42,13 +42,13 @@ def model(demo):
 def sent_positions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The number of positions of every step any session sends, in order."""
     sent: list[int] = []
-    original = InferenceSession.step_async
+    original = Chain.run
 
-    async def counting(self, hidden, attention_mask=None, last=None):
-        sent.append(hidden.shape[1])
-        return await original(self, hidden, attention_mask, last)
+    async def counting(self, step):
+        sent.append(step.hidden.shape[1])
+        return await original(self, step)
 
-    monkeypatch.setattr(InferenceSession, "step_async", counting)
+    monkeypatch.setattr(Chain, "run", counting)
     return sent
 
 

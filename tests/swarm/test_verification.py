@@ -58,7 +58,7 @@ def generate(swarm: NamedSwarm, streamer=None, **config) -> tuple[torch.Tensor, 
     try:
         with model.inference_session(max_length=64) as session:
             out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, streamer=streamer)
-            peers = [s.span.peer_id for s in session.chain.spans]
+            peers = [s.peer_id for s in session.route]
             rewinds = session.checks.rewinds
         return out, model.reputation(), peers, rewinds
     finally:
@@ -131,9 +131,11 @@ def test_speculative_decoding_rewinds_after_a_corrupt_server_and_equals_hf_greed
         with model.inference_session(max_length=64) as session:
             out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session, prompt_lookup_num_tokens=3,
                                  passes_in_flight=passes_in_flight, streamer=ArmAt(3, swarm.procs["corrupt"]))
-            peers = [s.span.peer_id for s in session.chain.spans]
+            peers = [s.peer_id for s in session.route]
             rewinds = session.checks.rewinds
+            most_in_flight = session.most_in_flight
     finally:
         model.shutdown()
     assert torch.equal(out, expected)
     assert rewinds and swarm.peer_ids["corrupt"] not in peers
+    assert most_in_flight == 0 if passes_in_flight == 1 else most_in_flight >= 2, "no pass was ever in flight"

@@ -1,8 +1,10 @@
 """The part of hivemind's P2P that a server's handlers and a client's Connection use, in memory (no p2pd), for
-tests that only need to reach a server's handlers: `add_binary_stream_handler` / `remove_binary_stream_handler` per
-peer (what `ConnectionHandler.register` calls) and `call_binary_stream_handler` (what `Connection.open` calls),
-each stream a pair of in-memory pipes. A handler name a peer has not registered fails as p2pd's does ("protocols
-not supported"), which Connection turns into PeerUnreachable.
+tests that only need to reach servers' handlers: `add_binary_stream_handler` / `remove_binary_stream_handler` per
+peer (what `ConnectionHandler.register` calls) and `call_binary_stream_handler` (what `Connection.open` calls, and
+what a server's push pool calls to reach the next server), each stream a pair of in-memory pipes. A handler name a
+peer has not registered fails as p2pd's does ("protocols not supported"), which Connection turns into
+PeerUnreachable. `crash(peer)` makes a peer vanish as a killed process does: its handlers are gone and every stream
+it serves ends at once.
 """
 
 from __future__ import annotations
@@ -52,23 +54,51 @@ class MemoryP2P:
         self.caller = PeerID.from_base58(caller)
         self._handlers: dict[tuple[str, str], object] = {}
         self.streams: list[asyncio.Task[None]] = []  # one per stream: the handler serving it
+        self._served: dict[str, list[tuple[asyncio.Task[None], MemoryWriter, MemoryWriter]]] = {}  # by server
+        self._opened: dict[str, list[tuple[MemoryWriter, MemoryWriter]]] = {}  # streams by the peer that opened them
 
     def peer(self, peer_id: str) -> SimpleNamespace:
-        """The registration calls of one peer (what ConnectionHandler.register gets as its P2P)."""
+        """One peer's side of the P2P: its registration calls (what ConnectionHandler.register gets) and streams it
+        opens to other peers (as itself)."""
         async def add(name: str, handler) -> None:
             self._handlers[(peer_id, name)] = handler
 
         async def remove(name: str) -> None:
             self._handlers.pop((peer_id, name), None)
 
-        return SimpleNamespace(add_binary_stream_handler=add, remove_binary_stream_handler=remove)
+        async def call(target: PeerID, name: str):
+            return await self._call(PeerID.from_base58(peer_id), target, name)
+
+        return SimpleNamespace(add_binary_stream_handler=add, remove_binary_stream_handler=remove,
+                               call_binary_stream_handler=call)
 
     async def call_binary_stream_handler(self, peer_id: PeerID, name: str):
         """(stream info, reader, writer) of a new stream to `name` on `peer_id`, served by its handler in a task."""
-        handler = self._handlers.get((peer_id.to_base58(), name))
+        return await self._call(self.caller, peer_id, name)
+
+    async def _call(self, caller: PeerID, peer_id: PeerID, name: str):
+        target = peer_id.to_base58()
+        handler = self._handlers.get((target, name))
         if handler is None:
             raise RuntimeError(f"failed to negotiate protocol: protocols not supported: [{name}]")
         to_server, to_client = asyncio.StreamReader(), asyncio.StreamReader()
-        info = SimpleNamespace(peer_id=self.caller)
-        self.streams.append(asyncio.ensure_future(handler(info, to_server, MemoryWriter(to_client))))
-        return info, to_client, MemoryWriter(to_server)
+        info = SimpleNamespace(peer_id=caller)
+        server_writer, client_writer = MemoryWriter(to_client), MemoryWriter(to_server)
+        task = asyncio.ensure_future(handler(info, to_server, server_writer))
+        self.streams.append(task)
+        self._served.setdefault(target, []).append((task, server_writer, client_writer))
+        self._opened.setdefault(caller.to_base58(), []).append((server_writer, client_writer))
+        return info, to_client, client_writer
+
+    def crash(self, peer_id: str) -> None:
+        """`peer_id` is gone at once, as a killed process: no handler answers for it, every stream it served ends
+        (both ways: its readers see the end too), its handler tasks are cancelled."""
+        for key in [k for k in self._handlers if k[0] == peer_id]:
+            del self._handlers[key]
+        for task, server_writer, client_writer in self._served.pop(peer_id, []):
+            task.cancel()
+            server_writer.close()
+            client_writer.close()
+        for server_writer, client_writer in self._opened.pop(peer_id, []):  # its pushes to others end too
+            server_writer.close()
+            client_writer.close()

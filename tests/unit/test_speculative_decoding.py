@@ -48,7 +48,7 @@ class LocalVerifier:
         self.drafted += draft.shape[1]
         return self.model(torch.cat([sequence, draft], dim=1)).logits[:, -(draft.shape[1] + 1):].float()
 
-    def settle(self, sequence):
+    def forget_rejected(self, sequence):
         pass
 
 

@@ -29,7 +29,7 @@ class PipeVerifier:
     def __init__(self, logits_of, latency=0.15):
         self.logits_of, self.latency, self.can_pipeline = logits_of, latency, True
         self.spec = None  # the tokens the "servers" hold after the passes sent
-        self.settled = 0
+        self.forgotten = 0
 
     def submit(self, sequence, draft, head):
         self.spec = torch.cat([sequence if head else self.spec, draft], dim=1)
@@ -44,8 +44,8 @@ class PipeVerifier:
     def keep(self, draft):
         pass
 
-    def settle(self, sequence, handle, draft):
-        self.settled += 1
+    def forget_rejected(self, sequence, handle, draft):
+        self.forgotten += 1
 
 
 def run(verifier, drafter, prompt, new, depth, *, do_sample=False, processors=None, eos=(), streamer=None):

@@ -11,7 +11,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.trust.reputation import Reputation, load
 from corolla.client.trust.verification import (
     TOL_HALF, TOL_INT8, TOL_NF4, TOL_SAME_EXACT, TOL_SAME_LOW, kind_of, opinion_tolerance, pair_tolerance, plan_checkers,
-    referee_verdict, relative_error, rewind_position, sequence_rewind, settle,
+    referee_verdict, relative_error, rewind_position, sequence_rewind, third_opinion,
 )
 from corolla.protocol.messages import ComputeKind, QuantMode, ServerInfo, ServerState
 from corolla.server.rpc.faults import FALSE_QUANT_SCALE, corrupted
@@ -88,7 +88,7 @@ def test_a_false_quantization_claim_does_not_widen_the_tolerance():
 ])
 def test_a_third_opinion_convicts_only_when_it_agrees_with_exactly_one(errors, verdict):
     suspect_third, checker_third = errors
-    assert settle(suspect_third, 1e-3, checker_third, 1e-3) == verdict
+    assert third_opinion(suspect_third, 1e-3, checker_third, 1e-3) == verdict
 
 
 @pytest.mark.parametrize("errors, verdict", [

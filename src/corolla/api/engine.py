@@ -59,6 +59,7 @@ from corolla.api.rewinds import HeldEvents, released_tokens, rewind_choice
 from corolla.api.sampling import SamplingParams, make_generator
 from corolla.api.sessions import IdleSessions
 from corolla.api.stream import GenerationStream, StreamEvent
+from corolla.client.decoding.stepper import Stepper
 from corolla.client.event_loop import get_loop, run_sync
 from corolla.client.session.inference_session import InferenceSession
 from corolla.client.trust.spot_checks import SessionChecks
@@ -77,6 +78,7 @@ class _Active:
     handle: StreamHandle
     stream: GenerationStream
     session: InferenceSession | None = None
+    stepper: Stepper | None = None  # steps the session, as generate's loops do (client.decoding.stepper)
     hidden: torch.Tensor | None = None  # (H,) the last block's output at the last position: ready for the head
     task: asyncio.Task[None] | None = None  # the prefill or decode step in flight
     decoding: bool = False  # task is a decode step (prefills are not waited for)
@@ -240,7 +242,7 @@ class BatchedEngine:
         session, active.session = active.session, None
         if session is None:
             return
-        held = active.stream.all_ids[: session.position]  # the last sampled token was never sent
+        held = session.token_ids[0, : session.position].tolist()  # the last sampled token was never sent
         for dropped in self._idle.put(session, held, session.max_length, time.monotonic(), active.owner):
             self._close_later(dropped, "count" if dropped is not session else None)
         self.metrics.idle_sessions.set(len(self._idle))
@@ -288,13 +290,12 @@ class BatchedEngine:
         if kept is None:
             return await self._open(active, prompt, needed)
         session, reused = kept
-        active.session = session
         session.rollback(reused)
         stream.cached_tokens = reused
         self.metrics.prefix_reuse_hits.inc()
         self.metrics.reused_tokens.inc(reused)
         logger.debug("continuing a kept session: %d of %d prompt tokens reused", reused, len(prompt))
-        return await self._feed(session, prompt[reused:])
+        return await self._feed(active, session)
 
     async def _open(self, active: _Active, prompt: list[int], needed: int) -> torch.Tensor:
         """Open a session for `needed` tokens and prefill the prompt; returns the prefill's output (1, T, H).
@@ -316,18 +317,17 @@ class BatchedEngine:
                     free = await self._capacity.free_cache()
         self._opening += length
         try:
-            session = active.session = self.model.open_session(length)
+            session = self.model.open_session(length)
             try:
-                return await self._feed(session, prompt)
+                return await self._feed(active, session)
             except AllocationFailed:
                 if not len(self._idle):
                     raise
-            active.session = None
+            active.session = active.stepper = None
             self._close_later(session, None)
             while await self._give_up_oldest():
                 pass
-            session = active.session = self.model.open_session(needed)
-            return await self._feed(session, prompt)
+            return await self._feed(active, self.model.open_session(needed))
         finally:
             self._opening -= length
 
@@ -342,17 +342,30 @@ class BatchedEngine:
         await self._close(victim)
         return True
 
-    async def _feed(self, session: InferenceSession, ids: Sequence[int]) -> torch.Tensor:
-        """Send tokens through the session; returns the last block's output at the last of them (1, 1, H)."""
-        embeds = await self._loop.run_in_executor(self._head, self.head_pass.embed, list(ids))
-        output = await session.step_async(embeds, last=1)  # (1, 1, H): the prompt's last position is all it needs
-        self.metrics.tokens_sent.inc(len(ids))
+    async def _feed(self, active: _Active, session: InferenceSession | None = None) -> torch.Tensor:
+        """Send the choice's tokens its session lacks (with `session`: a session just opened or kept for it, which
+        holds a prefix of them); returns the last block's output at the last of them (1, 1, H)."""
+        if session is not None:
+            active.session = session
+            active.stepper = Stepper(session, self._embed, self.model.lm_logits, session.token_ids.shape[1])
+        stepper, session = active.stepper, active.session
+        assert stepper is not None and session is not None
+        stepper.seen = session.token_ids.shape[1]  # what it holds: after a rewind, the tokens before the lie
+        ids = active.stream.all_ids
+        embeds = await self._loop.run_in_executor(self._head, self.head_pass.embed, ids[stepper.seen :])
+        output = await stepper.feed_async(torch.tensor([ids], dtype=torch.long), embeds)
+        self.metrics.tokens_sent.inc(embeds.shape[1])
         return output
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings (1, t, H) of token ids (1, t)."""
+        return self.model.embed(input_ids=ids)
 
     async def _decode(self, active: _Active, embed: torch.Tensor) -> None:
         try:
-            assert active.session is not None
-            output = await active.session.step_async(embed)  # (1, 1, H)
+            assert active.stepper is not None
+            ids = torch.tensor([active.stream.all_ids], dtype=torch.long)
+            output = await active.stepper.feed_async(ids, embed)  # (1, 1, H)
             took = time.monotonic() - active.launched
             self._step_time = (
                 took
@@ -448,7 +461,7 @@ class BatchedEngine:
                 self._finish(active)
                 return None
         self.metrics.rewinds.inc()
-        return await rewind_choice(session, active.stream, active.held, self._in_head, self._feed)
+        return await rewind_choice(session, active.stream, active.held, self._in_head, lambda: self._feed(active))
 
     def _in_head(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
         """Run fn(*args) on the head thread (a stream's text work)."""

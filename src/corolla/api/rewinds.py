@@ -24,7 +24,7 @@ What the client sees (`HeldEvents`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -102,11 +102,11 @@ async def rewind_choice(
     stream: GenerationStream,
     held: HeldEvents,
     in_head_thread: Callable[..., Awaitable[object]],
-    feed: Callable[[InferenceSession, Sequence[int]], Awaitable[torch.Tensor]],
+    feed: Callable[[], Awaitable[torch.Tensor]],
 ) -> torch.Tensor:
     """Apply the session's pending rewind to the choice (see the module doc); returns the output (1, 1, H) at the
     last position sent again, ready for the head. `in_head_thread(fn, *args)` runs the stream's text work where the
-    engine runs it; `feed(session, ids)` sends tokens through the session."""
+    engine runs it; `feed()` sends the choice's tokens the session lacks through it."""
     checks = session.checks
     assert checks is not None and checks.rewind is not None
     found = checks.rewind
@@ -117,4 +117,4 @@ async def rewind_choice(
     checks.applied(found)
     await in_head_thread(stream.rewind, keep)
     held.rewind(keep)
-    return await feed(session, stream.all_ids[position : len(stream.prompt_ids) + keep])
+    return await feed()  # the tokens of positions [position, prompt + keep): the stream kept that many

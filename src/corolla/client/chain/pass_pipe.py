@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from corolla.client.chain.span_session import SpanSession, pushed_by
+from corolla.client.chain.steps import Step
 
 
 class PipeFailed(Exception):
@@ -43,12 +44,10 @@ class PipeFailed(Exception):
 
 @dataclass(eq=False)
 class Pass:
-    """One step in flight: `hidden` (B, T, H) at `position`; `last`: the route's last server answers only its last
-    `last` positions. `result` is the last span's answer; `outputs[i]` span i's."""
+    """One step in flight. `result` is the last span's answer (only its last `step.last` positions when given);
+    `outputs[i]` span i's."""
 
-    hidden: torch.Tensor
-    position: int
-    last: int | None
+    step: Step
     result: asyncio.Future
     outputs: list[asyncio.Future]
     step_id: int = 0
@@ -56,21 +55,27 @@ class Pass:
     sent_at: float = field(default_factory=time.perf_counter)
 
     @property
+    def position(self) -> int:
+        return self.step.position
+
+    @property
     def end(self) -> int:
-        return self.position + self.hidden.shape[1]
+        return self.step.end
 
-
-def answered(hidden: torch.Tensor, position: int, last: int | None, output: torch.Tensor) -> Pass:
-    """A step that ran at once (not kept in flight), as a handle already answered with `output`."""
-    result: Future = Future()
-    result.set_result(output)
-    return Pass(hidden, position, last, result, [])  # type: ignore[arg-type]
+    @classmethod
+    def finished(cls, step: Step, output: torch.Tensor) -> Pass:
+        """A step that ran at once (not kept in flight), as a handle already answered with `output`."""
+        result: Future = Future()
+        result.set_result(output)
+        return cls(step, result, [])  # type: ignore[arg-type]
 
 
 class PassPipe:
     """Steps of one session in flight at once over `spans` (a push route, or one span)."""
 
     def __init__(self, spans: list[SpanSession], timeout: float, on_done: Callable[[Pass, list[torch.Tensor]], None]):
+        """`on_done(pass, inputs)`: a pass not cancelled was answered by every span; `inputs` are every span's input
+        and the last span's answer, in route order."""
         self.spans = spans
         self.timeout = timeout
         self.on_done = on_done
@@ -82,12 +87,13 @@ class PassPipe:
         self._idle.set()
         self._readers = [asyncio.ensure_future(self._read(i)) for i in range(len(spans))]
 
-    async def submit(self, hidden: torch.Tensor, position: int, last: int | None) -> Pass:
-        """Send `hidden` at `position` to the first span (pushed on from there); returns the pass to wait on."""
+    async def submit(self, step: Step) -> Pass:
+        """Send `step` (no mask, no reorder) to the first span (pushed on from there); returns the pass to wait on."""
         loop = asyncio.get_running_loop()
-        p = Pass(hidden, position, last, loop.create_future(), [loop.create_future() for _ in self.spans])
+        p = Pass(step, loop.create_future(), [loop.create_future() for _ in self.spans])
         try:
-            p.step_id = await self.spans[0].send(hidden, position, None, None, push=len(self.spans) > 1, answer=last)
+            p.step_id = await self.spans[0].send(step.hidden, step.position, push=len(self.spans) > 1,
+                                                 answer=step.last)
         except Exception as e:
             self._fail(0, e)
             raise self.failure.result() from e
@@ -154,10 +160,10 @@ class PassPipe:
         while True:
             p = await self._queues[i].get()
             try:
-                x = p.hidden if i == 0 else await p.outputs[i - 1]
-                pushed = None if i == 0 else pushed_by(self.spans[i - 1], x, None, p.last)
+                x = p.step.hidden if i == 0 else await p.outputs[i - 1]
+                pushed = None if i == 0 else pushed_by(self.spans[i - 1], x, None, p.step.last)
                 out = await span.receive(x, self.timeout, pushed, p.position, None, step_id=p.step_id,
-                                         answer=p.last if last_span else None)
+                                         answer=p.step.answer(i, len(self.spans)))
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -167,7 +173,7 @@ class PassPipe:
             self._unread -= 1
             if last_span:
                 if not p.cancelled:
-                    self.on_done(p, [p.hidden, *(f.result() for f in p.outputs)])
+                    self.on_done(p, [p.step.hidden, *(f.result() for f in p.outputs)])
                     p.result.set_result(out)
             if self._unread == 0:
                 self._idle.set()

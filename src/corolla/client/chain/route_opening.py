@@ -18,6 +18,7 @@ import torch
 from corolla.client.chain.push_route import RouteHop, wanted_links
 from corolla.client.swarm.routing import Span
 from corolla.client.chain.span_session import SpanSession, new_secret
+from corolla.client.chain.steps import Step
 from corolla.protocol.errors import PeerUnavailable, RemoteError
 
 if TYPE_CHECKING:
@@ -56,14 +57,15 @@ async def open_route(chain: Chain, start: int, end: int, history: torch.Tensor |
                 if isinstance(r, BaseException):
                     span = s
                     raise r
-            x = history
-            for session in opened:
-                span = session.span
-                if x is not None and x.shape[1] > 0:
-                    chain.exchanges += 1
-                    x = await session.step(x, 0, config.request_timeout, chain.state.replay_mask(x.shape[1]))
-                    if span is route[-1]:  # spot checks: only its later outputs leave the route
-                        session.first_output = x.shape[1]
+            if history is not None and history.shape[1] > 0:
+                replay = Step(history, 0, chain.state.replay_mask(history.shape[1]))
+                x = replay.hidden
+                for session in opened:
+                    span = session.span
+                    out = await session.step(x, 0, config.request_timeout, replay.mask)
+                    chain.accept(session, replay, x, out, replay=True)
+                    x = out
+                session.first_output = history.shape[1]  # spot checks: only the last span's later outputs leave
         except (PeerUnavailable, RemoteError) as e:
             await close_spans(opened)
             failures = manager.after_failure(e, failures, span)

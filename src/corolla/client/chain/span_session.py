@@ -149,17 +149,14 @@ class SpanSession:
         hypo_ids: list[int] | None = None,
         answer: int | None = None,
     ) -> torch.Tensor:
-        """Send hidden (B, T, H) at `position`, wait for the span's output (B, T, H), record the input, return it.
+        """Send hidden (B, T, H) at `position` and return the span's checked output (B, T, H), as `send` and
+        `receive` do. Records nothing: the chain keeps the input once it accepts the answer (`record`).
 
         `mask` (B, position + T) is the attention mask of the whole session, sent only for padded batches;
-        `hypo_ids` reorders the cached rows first (beam search), and the recorded history with them, so that a
-        replay rebuilds the reordered caches. The span's deep prompts go with every step that holds a position below P.
-        `answer`: the server returns only the last `answer` positions of its output (None: all).
-        """
+        `hypo_ids` reorders the cached rows first (beam search). The span's deep prompts go with every step that
+        holds a position below P. `answer`: the server returns only the last `answer` positions of its output."""
         await self.send(hidden, position, mask, hypo_ids, answer=answer)
-        output = await self.receive(hidden, timeout, answer=answer)
-        self.record(hidden, position, hypo_ids)
-        return output
+        return await self.receive(hidden, timeout, answer=answer)
 
     async def send(
         self,

@@ -21,7 +21,6 @@ which skip the padded slots: each row gets exactly the tokens it would get alone
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -31,6 +30,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 
 from corolla.client.decoding.assistant_drafter import AssistantDrafter
 from corolla.client.decoding.beam_search import BeamSettings, beam_search
+from corolla.client.decoding.call_inputs import call_inputs, embed_pending, with_call_ids
 from corolla.client.decoding import settings
 from corolla.client.decoding.settings import Speculation, as_list, check_modes, lengths, merge_config
 from corolla.client.session.inference_session import InferenceSession
@@ -61,20 +61,6 @@ class GenerationModel(Protocol):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last block's output (B, T, H) -> next-token logits (B, T, vocab)."""
         ...
-
-
-@dataclass
-class _Call:
-    """One call's input: ids (B, m) with -1 where only embeddings were given, their mask, their embeddings."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor | None
-    embeds: torch.Tensor | None
-    returned: torch.Tensor  # (B, m') the ids the result starts with: input_ids, or none for inputs_embeds alone
-
-    def repeat(self, times: int) -> _Call:
-        rep = lambda t: None if t is None else t.repeat_interleave(times, dim=0)  # noqa: E731
-        return _Call(rep(self.ids), rep(self.mask), rep(self.embeds), self.returned)
 
 
 def generate(
@@ -120,7 +106,7 @@ def generate(
     expand = max(config.num_beams, config.num_return_sequences)
     eos = as_list(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
-    call = _call_inputs(input_ids, inputs_embeds, attention_mask, pad, eos, session)
+    call = call_inputs(input_ids, inputs_embeds, attention_mask, pad, eos, session)
     rows = call.ids.shape[0] * expand
     if session is not None and call.ids.shape[0] != session.batch_size:
         if session.batch_size != rows:
@@ -168,15 +154,15 @@ def generate(
         processors = settings.logits_processors(config, prompt_len, eos, mask, logits_processor, limits.min_length)
         criteria = settings.stopping_criteria(limits.max_length, eos, config.stop_strings, tokenizer, stopping_criteria)
         # every decoding loop steps the session through this one (client.decoding.stepper)
-        verifier = Stepper(
-            session, lambda ids: _embed_pending(model, session, ids, call, reading.call_start), model.lm_logits,
+        stepper = Stepper(
+            session, lambda ids: embed_pending(model, session, ids, call, reading.call_start), model.lm_logits,
             prompt_len,
         )
         if new_tokens == 0:
             return call.returned
         # spot checks: a liar found during the loop makes it rewind (only where columns are the session's tokens)
         rewinder = (
-            generation_rewinder(session, prompt_len, verifier) if session.checks is not None and bool(known.all())
+            generation_rewinder(session, prompt_len, stepper) if session.checks is not None and bool(known.all())
             else None
         )
         if config.num_beams > 1:
@@ -190,10 +176,10 @@ def generate(
                 n_eos=len(eos),
                 fill_token=(pad or eos[0]) if eos else -1,  # what HF fills finished rows with
             )
-            result = beam_search(verifier.next_logits, sequence, beam, processors, criteria)
+            result = beam_search(stepper.next_logits, sequence, beam, processors, criteria)
             session.reorder(result.hypo_ids)  # the servers apply it with the session's next step, if any
             session.append_tokens(result.running[:, -1:])  # the last token, not sent yet
-            return _with_call_ids(call.returned, result.sequences[:, prompt_len:])
+            return with_call_ids(call.returned, result.sequences[:, prompt_len:])
         if speculation is not None:
             drafter = _drafter(speculation, assistant_model, processors, eos, config, model.config)
             decode = dict(
@@ -207,35 +193,27 @@ def generate(
                 rewinder=rewinder,
             )
             if depth.setting == 1:
-                sequence = speculative_decode(verifier, drafter, sequence, mask, **decode)
+                sequence = speculative_decode(stepper, drafter, sequence, mask, **decode)
             else:
-                sequence = pipelined_decode(verifier, drafter, sequence, mask, depth=depth, **decode)
-            verifier.finish(sequence)
+                sequence = pipelined_decode(stepper, drafter, sequence, mask, depth=depth, **decode)
+            stepper.finish(sequence)
             if (
                 isinstance(drafter, AssistantDrafter)
                 and speculation.schedule == "heuristic"
                 and getattr(assistant_model, "generation_config", None) is not None
             ):
                 assistant_model.generation_config.num_assistant_tokens = drafter.num_tokens  # kept, as HF keeps it
-            return _with_call_ids(call.returned, sequence[:, prompt_len:])
+            return with_call_ids(call.returned, sequence[:, prompt_len:])
         sequence = _sample_or_greedy(
-            verifier.next_logits, sequence, config, processors, criteria, pad, bool(eos), streamer, rewinder
+            stepper.next_logits, sequence, config, processors, criteria, pad, bool(eos), streamer, rewinder
         )
         session.append_tokens(sequence[:, -1:])  # the last token, not sent yet
-        return _with_call_ids(call.returned, sequence[:, prompt_len:])
+        return with_call_ids(call.returned, sequence[:, prompt_len:])
     finally:
         if streamer is not None:
             streamer.end()
         if own_session:
             session.close()
-
-
-def _with_call_ids(call_ids: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
-    """The call's ids (B, m) in front of the generated tokens (B * k, g): each prompt's row repeated for its k
-    returned sequences, as HF returns them."""
-    if call_ids.shape[1] == 0:
-        return generated
-    return torch.cat([call_ids.repeat_interleave(generated.shape[0] // call_ids.shape[0], dim=0), generated], dim=1)
 
 
 def _sample_or_greedy(
@@ -317,85 +295,3 @@ def _check_assistant(model: GenerationModel, assistant: Any) -> None:
         )
 
 
-def _embed_pending(
-    model: GenerationModel, session: InferenceSession, ids: torch.Tensor, call: _Call, call_start: int
-) -> torch.Tensor:
-    """Embeddings (rows, t, H) of the pending tokens `ids`: the call's inputs_embeds where it gave them, else the
-    token embeddings (also of tokens after the call's, e.g. a draft sent with them). Raises ValueError for a pending
-    token known only as hidden states."""
-    first = session.token_ids.shape[1] - ids.shape[1]  # the context column of the first pending token
-    call_end = call_start + call.ids.shape[1]
-    with torch.no_grad():
-        if call.embeds is None or first >= call_end:
-            if bool((ids == UNKNOWN).any()):
-                raise ValueError(
-                    "the session's next token is known only as hidden states (stepped without token ids); "
-                    "pass input_ids or inputs_embeds to continue it"
-                )
-            return model.embed(input_ids=ids)
-        parts = []
-        if first < call_start:
-            parts.append(model.embed(input_ids=ids[:, : call_start - first]))
-        parts.append(model.embed(inputs_embeds=call.embeds[:, max(first - call_start, 0) :]))
-        after = first + ids.shape[1] - call_end  # pending tokens past the call's
-        if after > 0:
-            parts.append(model.embed(input_ids=ids[:, ids.shape[1] - after :]))
-        return torch.cat(parts, dim=1)
-
-
-def _call_inputs(
-    input_ids: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    pad: int | None,
-    eos: list[int],
-    session: InferenceSession | None,
-) -> _Call:
-    """This call's input as a _Call; raises ValueError for inconsistent shapes or no input at all."""
-    if input_ids is None and inputs_embeds is None:
-        if session is None or session.token_ids.shape[1] == 0:
-            raise ValueError("generate needs input_ids or inputs_embeds (or a session that already holds tokens)")
-        empty = torch.empty(session.batch_size, 0, dtype=torch.long)
-        return _Call(empty, None, None, empty)
-    if inputs_embeds is not None and inputs_embeds.ndim != 3:
-        raise ValueError(f"inputs_embeds must have shape (batch, length, hidden), got {tuple(inputs_embeds.shape)}")
-    if input_ids is None:
-        assert inputs_embeds is not None
-        returned = torch.empty(inputs_embeds.shape[0], 0, dtype=torch.long)
-        ids = torch.full(inputs_embeds.shape[:2], UNKNOWN, dtype=torch.long)
-    else:
-        ids = returned = torch.as_tensor(input_ids, dtype=torch.long).cpu()
-        if ids.ndim == 1:
-            ids = returned = ids.unsqueeze(0)
-        if ids.ndim != 2:
-            raise ValueError(f"input_ids must have shape (batch, length), got {tuple(ids.shape)}")
-        if inputs_embeds is not None and tuple(ids.shape) != tuple(inputs_embeds.shape[:2]):
-            raise ValueError(
-                f"input_ids {tuple(ids.shape)} and inputs_embeds {tuple(inputs_embeds.shape)} must "
-                "describe the same tokens"
-            )
-    mask = _input_mask(ids, attention_mask, pad, eos, fresh=session is None or session.token_ids.shape[1] == 0)
-    return _Call(ids, mask, inputs_embeds, returned)
-
-
-def _input_mask(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None, eos: list[int], fresh: bool
-) -> torch.Tensor | None:
-    """The attention mask of the call's input (B, n) bool, or None if nothing is padded.
-
-    Without a mask, HF infers one from pad tokens in the prompt when pad_token_id is set and is not an eos token
-    (only for a prompt that starts a session: later ids are not left-padded prompts).
-    """
-    if attention_mask is not None:
-        attention_mask = torch.as_tensor(attention_mask).cpu()
-        if attention_mask.ndim == 1:
-            attention_mask = attention_mask.unsqueeze(0)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
-            )
-        mask = attention_mask.to(torch.bool)
-        return None if bool(mask.all()) else mask
-    if fresh and pad is not None and pad not in eos and bool((input_ids == pad).any()):
-        return input_ids != pad
-    return None

@@ -76,7 +76,7 @@ class Verifier(Protocol):
         """Target logits (rows, k + 1, V) float32 after sequence (rows, s) followed by draft[:, :i], i = 0..k."""
         ...
 
-    def settle(self, sequence: Tensor) -> None:
+    def forget_rejected(self, sequence: Tensor) -> None:
         """The sequence now ends with the kept tokens: forget the draft tokens it does not hold."""
         ...
 
@@ -120,7 +120,7 @@ def speculative_decode(
         before = sequence.shape[1]
         sequence, mask, unfinished = emit(chosen, sequence, mask, unfinished, fill if has_eos else None, criteria,
                                           streamer)
-        verifier.settle(sequence)
+        verifier.forget_rejected(sequence)
         drafter.update(sequence.shape[1] - before - 1, draft.tokens.shape[1])
         keep = None if rewinder is None else rewinder(sequence, not bool(unfinished.any()))
         if keep is not None:  # spot checks found wrong outputs: generate again after column `keep`

@@ -116,7 +116,7 @@ class _InFlight:
 
 
 def pipelined_decode(
-    verifier: Stepper,
+    stepper: Stepper,
     drafter: Drafter,
     sequence: Tensor,
     mask: Tensor | None,
@@ -144,7 +144,7 @@ def pipelined_decode(
     carry: Tensor | None = None  # processed target scores before the first draft token of inflight[0] (continuation)
     while True:
         free = ~unfinished if has_eos else torch.zeros(rows, dtype=torch.bool)
-        while not inflight or (verifier.can_pipeline and len(inflight) < depth.passes(verifier.latency)):
+        while not inflight or (stepper.can_pipeline and len(inflight) < depth.passes(stepper.latency)):
             begin = time.perf_counter()
             limit = max(max_length - speculated.shape[1] - 1, 0)  # the target adds one token after any draft
             if inflight and limit == 0:
@@ -153,8 +153,8 @@ def pipelined_decode(
             draft = drafter.propose(speculated, spec_mask, free, fill, limit) if limit > 0 else Draft.empty(rows)
             if inflight and draft.tokens.shape[1] == 0:
                 break
-            in_flight = verifier.can_pipeline  # else this pass runs before `submit` returns: not a drafting time
-            handle = verifier.submit(sequence, draft.tokens, head=not inflight)
+            in_flight = stepper.can_pipeline  # else this pass runs before `submit` returns: not a drafting time
+            handle = stepper.submit(sequence, draft.tokens, head=not inflight)
             inflight.append(_InFlight(handle, draft, head=len(inflight) == 0))
             speculated = torch.cat([speculated, draft.tokens], dim=1)
             if in_flight:
@@ -163,7 +163,7 @@ def pipelined_decode(
         current = inflight.popleft()
         draft = current.draft
         k = draft.tokens.shape[1]
-        logits = verifier.logits(current.handle)  # (rows, k + 1, V) for a head pass, (rows, k, V) after it
+        logits = stepper.logits(current.handle)  # (rows, k + 1, V) for a head pass, (rows, k, V) after it
         if current.head:
             scores = process_positions(processors, sequence, draft.tokens, logits)
         else:
@@ -180,13 +180,13 @@ def pipelined_decode(
         )
         drafter.update(chosen.shape[1] - 1, k)
         done = not bool(unfinished.any())
-        checking = rewinder is not None and (done or verifier.rewind_pending)  # spot checks: stop the pipe first
+        checking = rewinder is not None and (done or stepper.rewind_pending)  # spot checks: stop the pipe first
         if goes_on and not done and not checking and torch.equal(sequence[:, before:], draft.tokens):
-            verifier.keep(draft.tokens)
+            stepper.keep(draft.tokens)
             carry = scores[:, k]
             continue
         stats.cancelled += len(inflight)
-        verifier.settle(sequence, current.handle, draft.tokens)
+        stepper.forget_rejected(sequence, current.handle, draft.tokens)
         inflight.clear()
         keep = rewinder(sequence, done) if checking and rewinder is not None else None
         if keep is not None:  # wrong outputs found: generate again after column `keep`

@@ -1,12 +1,12 @@
 """InferenceSession: the token session of a generation, KV caches kept on the servers between steps.
 
-It owns what the servers hold (client.session.session_state): positions, their token ids and mask, rollbacks, beam reorders,
-prompt-tuning prompts, and the spot checks' rewinds. Moving hidden states through the servers is its `chain`'s
-(client.chain.chain: the spans' streams, push and relay, failover, steps in flight). One decode step, as hops:
+It owns what the servers hold (client.session.session_state): positions, their token ids and mask, rollbacks, beam
+reorders, prompt-tuning prompts, and the spot checks' rewinds. Moving hidden states through the servers is its
+`chain`'s (client.chain.chain: the spans' streams, push and relay, failover, steps in flight). One decode step:
 
     generate / API engine ──tokens──> Stepper (client.decoding.stepper): embed the pending tokens
-      -> InferenceSession.step / submit: check the step, hold its positions
-      -> Chain.run / submit ──> server 0 ──push──> server 1 ... ──> the last server answers the client
+      -> InferenceSession.feed: check the step, make it a chain Step; the one crossing onto the client's loop
+      -> Chain.run ──> server 0 ──push──> server 1 ... ──> the last server answers the client
       -> lm head -> logits -> sample / verify drafts (client.decoding.speculative, client.decoding.speculative_pipeline)
 """
 
@@ -20,10 +20,11 @@ import torch
 
 from corolla.client.chain.chain import Chain
 from corolla.client.event_loop import run_sync
-from corolla.client.chain.pass_pipe import Pass, answered
+from corolla.client.chain.pass_pipe import Pass
+from corolla.client.chain.steps import Step
 from corolla.client.swarm.routing import Span
 from corolla.client.swarm.sequence_manager import SequenceManager
-from corolla.client.session.session_state import CallReading, SessionState
+from corolla.client.session.session_state import CallReading, SessionState, check_prompt_shapes
 from corolla.client.trust.spot_checks import SessionChecks, client_checks  # spot checks (ClientConfig.verify_rate)
 from corolla.protocol.errors import SessionExpired
 
@@ -43,9 +44,14 @@ class InferenceSession:
     prompts: before each block the servers add that block's prompt to positions [0, P).
     `take_call` reads a `generate` call's ids against the tokens held (the rule is in client.session.session_state).
     `step`, `feed` and `close` have `_async` twins for code on the client's event loop (client.event_loop).
-    `steps` counts the steps sent so far: one trip through the servers' chain each (what speculative decoding saves).
-    `exchanges` counts the requests the client sent and waited for (failover replays included): one per step in push
-    mode, one per span in relay mode; what a benchmark reports as the client's round trips.
+    Counters: `steps`, the steps sent so far (one trip through the servers' chain each: what speculative decoding
+    saves); `exchanges`, the requests the client sent to servers (failover replays included): one per step in push
+    mode, one per span in relay mode, one per chunk of a long prompt (what a benchmark reports as the client's
+    requests); `pushed_steps`, steps that went server to server all the way (push mode, no hop failed);
+    `cancelled_steps` and `cancelled_positions`, steps sent by `submit` and cancelled before their answer was used,
+    and their positions (what every server of the route computed for nothing); `most_in_flight`, the most steps
+    `submit` had in flight at once; `in_flight_total`, summed over steps, how many were in flight once it was sent,
+    it included (divided by `steps`: a mean).
     """
 
     def __init__(
@@ -71,22 +77,7 @@ class InferenceSession:
         self.batch_size = batch_size
         self.start = start
         self.end = manager.num_blocks if end is None else end
-        if prompts is not None and (
-            prompts.ndim != 3 or prompts.shape[0] != self.end - self.start or not 1 <= prompts.shape[1] <= max_length
-        ):
-            raise ValueError(
-                f"deep prompts must have shape ({self.end - self.start}, P, hidden) with 1 <= P <= "
-                f"max_length={max_length}, got {tuple(prompts.shape)}"
-            )
-        if prefix is not None and (
-            prefix.ndim != 2
-            or not 1 <= prefix.shape[0] <= max_length
-            or (prompts is not None and prompts.shape[1] != prefix.shape[0])
-        ):
-            raise ValueError(
-                f"prompt-tuning prompts must have shape (P, hidden) with 1 <= P <= max_length={max_length}"
-                f" (and P equal to the deep prompts'), got {tuple(prefix.shape)}"
-            )
+        check_prompt_shapes(prompts, prefix, self.end - self.start, max_length)
         self.prompts = None if prompts is None else prompts.detach()
         self.prefix = None if prefix is None else prefix.detach()
         self._state = SessionState(batch_size, 0 if prefix is None else prefix.shape[0])
@@ -204,21 +195,44 @@ class InferenceSession:
         needs a prompt's last position only). Raises ValueError for a wrong shape or a step past max_length,
         SessionExpired once closed.
         """
-        return run_sync(self.step_async(hidden, attention_mask, last))
+        step = self._make_step(hidden, attention_mask, last)
+        output = run_sync(self.chain.run(step))
+        self._advance(step, attention_mask)
+        return output
 
     async def step_async(
         self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
     ) -> torch.Tensor:
         """`step`, awaited on the client's event loop (one loop can drive many sessions)."""
-        self._check_step(hidden, attention_mask, last)
-        mask = self._state.step_mask(hidden.shape[1], attention_mask)
-        output = await self.chain.run(hidden, self.position, mask, self._state.hypo_ids, last)
-        self._state.advance(hidden.shape[1], attention_mask)
-        self.steps += 1
+        step = self._make_step(hidden, attention_mask, last)
+        output = await self.chain.run(step)
+        self._advance(step, attention_mask)
         return output
 
-    def _check_step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, last: int | None) -> None:
-        """Raise (see `step`) unless the session can take this step now."""
+    def feed(
+        self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
+    ) -> torch.Tensor:
+        """Run the input embeddings (batch_size, t, H) of the next t tokens; returns their outputs (batch_size, t, H).
+
+        A session with prompt-tuning prompts sends them first while it holds nothing; rolled back into them it
+        raises ValueError. `attention_mask` (batch_size, t) covers the tokens (the prompts are real). `last`: only the
+        last `last` outputs, as `step` takes it."""
+        hidden, mask = self._with_prefix(embeddings, attention_mask)
+        step = self._make_step(hidden, mask, None if last is None else min(last, embeddings.shape[1]))
+        output = run_sync(self.chain.run(step))
+        self._advance(step, mask)
+        return output if last is not None else output[:, hidden.shape[1] - embeddings.shape[1] :]
+
+    async def feed_async(
+        self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
+    ) -> torch.Tensor:
+        """`feed`, awaited on the client's event loop."""
+        hidden, mask = self._with_prefix(embeddings, attention_mask)
+        output = await self.step_async(hidden, mask, None if last is None else min(last, embeddings.shape[1]))
+        return output if last is not None else output[:, hidden.shape[1] - embeddings.shape[1] :]
+
+    def _make_step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, last: int | None) -> Step:
+        """The chain's Step for these new positions; raises (see `step`) unless the session can take it now."""
         if self.closed:
             raise SessionExpired("this inference session is closed")
         if hidden.ndim != 3 or hidden.shape[0] != self.batch_size:
@@ -236,28 +250,13 @@ class InferenceSession:
             )
         if last is not None and not 1 <= last <= hidden.shape[1]:
             raise ValueError(f"last must be within [1, {hidden.shape[1]}], got {last}")
+        mask = self._state.step_mask(hidden.shape[1], attention_mask)
+        return Step(hidden, self.position, mask, self._state.hypo_ids, last)
 
-    def feed(
-        self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
-    ) -> torch.Tensor:
-        """Run the input embeddings (batch_size, t, H) of the next t tokens; returns their outputs (batch_size, t, H).
-
-        A session with prompt-tuning prompts sends them first while it holds nothing; rolled back into them it
-        raises ValueError. `attention_mask` (batch_size, t) covers the tokens (the prompts are real). `last`: only the
-        last `last` outputs, as `step` takes it."""
-        hidden, mask = self._with_prefix(embeddings, attention_mask)
-        if last is not None:
-            return self.step(hidden, mask, min(last, embeddings.shape[1]))
-        return self.step(hidden, mask)[:, hidden.shape[1] - embeddings.shape[1] :]
-
-    async def feed_async(
-        self, embeddings: torch.Tensor, attention_mask: torch.Tensor | None = None, last: int | None = None
-    ) -> torch.Tensor:
-        """`feed`, awaited on the client's event loop."""
-        hidden, mask = self._with_prefix(embeddings, attention_mask)
-        if last is not None:
-            return await self.step_async(hidden, mask, min(last, embeddings.shape[1]))
-        return (await self.step_async(hidden, mask))[:, hidden.shape[1] - embeddings.shape[1] :]
+    def _advance(self, step: Step, attention_mask: torch.Tensor | None) -> None:
+        """The servers hold `step`'s positions now."""
+        self._state.advance(step.hidden.shape[1], attention_mask)
+        self.steps += 1
 
     def _with_prefix(
         self, embeddings: torch.Tensor, mask: torch.Tensor | None
@@ -309,13 +308,13 @@ class InferenceSession:
 
     async def submit_async(self, hidden: torch.Tensor, last: int | None = None) -> Pass:
         """`submit`, awaited on the client's event loop."""
-        position = self.position
-        if not self.can_pipeline:  # step_async checks the step
-            return answered(hidden, position, last, await self.step_async(hidden, None, last))
-        self._check_step(hidden, None, last)
-        handle = await self.chain.submit(hidden, position, last)
-        self._state.advance(hidden.shape[1], None)
-        self.steps += 1
+        step = self._make_step(hidden, None, last)
+        if not self.can_pipeline:
+            output = await self.chain.run(step)
+            self._advance(step, None)
+            return Pass.finished(step, output)
+        handle = await self.chain.submit(step)
+        self._advance(step, None)
         return handle
 
     async def wait_async(self, handle: Pass) -> torch.Tensor:
@@ -343,35 +342,29 @@ class InferenceSession:
                 self.checks.rewind = None
             self.checks.rewinds.append(position)
 
-    # ------------------------------------------------------------------ the chain's counters
+    # ------------------------------------------------------------------ the chain's counters (see the class doc)
     @property
     def exchanges(self) -> int:
-        """Requests the client sent to a server and waited for (see the class docstring)."""
         return self.chain.exchanges
 
     @property
     def pushed_steps(self) -> int:
-        """Steps that went server to server all the way (push mode, no hop failed)."""
         return self.chain.pushed_steps
 
     @property
     def cancelled_steps(self) -> int:
-        """Steps sent by `submit` and cancelled before their answer was used (pipelined speculation)."""
         return self.chain.cancelled_steps
 
     @property
     def cancelled_positions(self) -> int:
-        """The positions of the cancelled steps: what every server of the route computed for nothing."""
         return self.chain.cancelled_positions
 
     @property
     def most_in_flight(self) -> int:
-        """The most steps `submit` had in flight at once."""
         return self.chain.most_in_flight
 
     @property
     def in_flight_total(self) -> int:
-        """Summed over steps: how many were in flight once it was sent, it included (divided by `steps`: a mean)."""
         return self.chain.in_flight_total
 
     # ------------------------------------------------------------------ closing

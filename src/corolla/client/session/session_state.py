@@ -239,3 +239,24 @@ def _leading_run(held: Tensor, held_mask: Tensor | None, leading: Collection[int
         filler |= ~held_mask
     run = (~filler).to(torch.int).cumsum(dim=1) == 0  # (B, n): still inside the leading run
     return int(run.sum(dim=1).max()) if held.shape[0] else 0
+
+
+def check_prompt_shapes(prompts: Tensor | None, prefix: Tensor | None, blocks: int, max_length: int) -> None:
+    """Raise ValueError unless deep prompts (blocks, P, H) and prompt-tuning prompts (P, H), where given, fit a
+    session of `max_length` positions over `blocks` blocks, with one P."""
+    if prompts is not None and (
+        prompts.ndim != 3 or prompts.shape[0] != blocks or not 1 <= prompts.shape[1] <= max_length
+    ):
+        raise ValueError(
+            f"deep prompts must have shape ({blocks}, P, hidden) with 1 <= P <= "
+            f"max_length={max_length}, got {tuple(prompts.shape)}"
+        )
+    if prefix is not None and (
+        prefix.ndim != 2
+        or not 1 <= prefix.shape[0] <= max_length
+        or (prompts is not None and prompts.shape[1] != prefix.shape[0])
+    ):
+        raise ValueError(
+            f"prompt-tuning prompts must have shape (P, hidden) with 1 <= P <= max_length={max_length}"
+            f" (and P equal to the deep prompts'), got {tuple(prefix.shape)}"
+        )

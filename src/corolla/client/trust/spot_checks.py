@@ -57,7 +57,7 @@ from corolla.client.trust.verification import (
     referee_verdict,
     relative_error,
     rewind_position,
-    settle,
+    third_opinion,
 )
 from corolla.protocol.errors import PeerUnavailable, RemoteError
 from corolla.protocol.messages import ErrorCode, ServerInfo, ServerState
@@ -290,7 +290,7 @@ class SessionChecks:
             third, tie = opinion
             thirds = [[p for p in tier if p.peer_id != third.peer_id] for tier in thirds]
             thirds = [tier for tier in thirds if tier]
-            verdict = settle(
+            verdict = third_opinion(
                 relative_error(output, tie),
                 opinion_tolerance(suspect_kind, third.kind) + widen,
                 relative_error(reference, tie),

@@ -16,7 +16,7 @@ as that kind (ForwardRequest.emulate: it quantizes its weights exactly as such a
 tolerance of the kind. A claim the outputs contradict (announcing nf4 while computing float32) fails such a check
 like any other lie. Only when no server can compute the suspect's kind is the wide cross-kind tolerance used.
 
-One word never convicts. Suspect and checker disagreeing convicts neither: further opinions settle it (`settle`),
+One word never convicts. Suspect and checker disagreeing convicts neither: further opinions settle it (`third_opinion`),
 each also computed in the suspect's kind: another holder of the span agreeing with exactly one of them convicts the
 other; when none does, the client computes the span itself from the checkpoint (client.trust.referee) and everything that
 disagrees with it is wrong (`referee_verdict`). Until something settles it the dispute stands and the session
@@ -160,7 +160,7 @@ def plan_checkers(suspect: ServerInfo | None, candidates: list[tuple[str, Server
     return tiers or ([others] if others else [])
 
 
-def settle(suspect_vs_third: float, tol_suspect_third: float, checker_vs_third: float, tol_checker_third: float
+def third_opinion(suspect_vs_third: float, tol_suspect_third: float, checker_vs_third: float, tol_checker_third: float
            ) -> Verdict:
     """What a third opinion says of a suspect and a checker that disagree: it agrees with exactly one of them (the
     other is banned), or with neither or both ("dispute": it settles nothing)."""

@@ -1,0 +1,157 @@
+"""client.chain in process: real servers' handlers over in-memory streams (inprocess_swarm), the real chain.
+
+A step's output equals the blocks' own forward, by push and by relay; push sends one request per step, relay one per
+span; a server that crashes mid-session is replaced by its replica, rebuilt from the kept inputs, and the step goes
+on unchanged; a route with no replica left fails with a clear error; steps in flight (the pass pipe) are answered in
+order, and a cancelled one is read and dropped; route opening replays history into a replacement made of several
+smaller servers. After each test every live server's cache is free.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corolla.client.chain.steps import Step
+from corolla.client.event_loop import run_sync
+from corolla.protocol.errors import MissingBlocks, PeerUnavailable
+from inprocess_swarm import InProcessSwarm
+
+H = 64  # the tiny Llama's hidden size
+
+
+def inputs(t: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randn(batch, t, H, generator=torch.Generator().manual_seed(seed))
+
+
+def run_session(session, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """Step every chunk through the session in turn; the outputs, concatenated."""
+    return torch.cat([session.step(x) for x in chunks], dim=1)
+
+
+@pytest.fixture
+def swarm(tiny_llama_path):
+    swarm = InProcessSwarm(tiny_llama_path, [(0, 2), (2, 4), (2, 4)])
+    try:
+        yield swarm
+        assert swarm.caches_free(), "a session's cache was not freed"
+        assert swarm.push_frames_held() == {}, "pushed frames were not let go (their bytes count against the pusher)"
+    finally:
+        swarm.close()
+
+
+@pytest.mark.parametrize("push", [True, False])
+def test_steps_equal_the_blocks_own_forward_by_push_and_by_relay(swarm, push):
+    chunks = [inputs(5), inputs(1, 1), inputs(1, 2), inputs(3, 3)]
+    with swarm.session(push=push) as session:
+        out = run_session(session, chunks)
+        route = session.route
+        assert [(s.start, s.end) for s in route] == [(0, 2), (2, 4)]
+        assert session.steps == 4 and session.position == 10
+        # push: one request per step, all of them server to server; relay: one per span and step
+        assert session.exchanges == (4 if push else 8)
+        assert session.pushed_steps == (4 if push else 0)
+    torch.testing.assert_close(out, swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+
+
+def test_last_asks_the_route_for_its_last_positions_only(swarm):
+    x = inputs(6)
+    with swarm.session() as session:
+        out = session.step(x, last=2)
+    assert out.shape == (1, 2, H)
+    torch.testing.assert_close(out, swarm.forward(x)[:, -2:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("push", [True, False])
+def test_a_crashed_server_is_replaced_by_its_replica_rebuilt_from_the_kept_inputs(swarm, push):
+    chunks = [inputs(4), inputs(1, 1), inputs(1, 2), inputs(1, 3)]
+    with swarm.session(push=push) as session:
+        out = [session.step(chunks[0]), session.step(chunks[1])]
+        dead = session.route[1].peer_id
+        swarm.crash(dead)
+        out += [session.step(chunks[2]), session.step(chunks[3])]
+        assert session.route[1].peer_id != dead and session.route[1].start == 2
+    torch.testing.assert_close(torch.cat(out, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+
+
+def test_without_a_replica_the_step_fails_with_missing_blocks(tiny_llama_path):
+    swarm = InProcessSwarm(tiny_llama_path, [(0, 2), (2, 4)])
+    try:
+        with swarm.session(missing_blocks_wait=0.0, max_retries=1) as session:
+            session.step(inputs(2))
+            swarm.crash(session.route[1].peer_id)
+            with pytest.raises((MissingBlocks, PeerUnavailable)):
+                session.step(inputs(1, 1))
+    finally:
+        swarm.close()
+
+
+def test_replay_into_a_replacement_made_of_several_smaller_servers(tiny_llama_path):
+    swarm = InProcessSwarm(tiny_llama_path, [(0, 2), (2, 4), (2, 3), (3, 4)])
+    try:
+        chunks = [inputs(3), inputs(1, 1), inputs(2, 2)]
+        with swarm.session() as session:
+            out = [session.step(chunks[0])]
+            whole = next(s for s in session.route if (s.start, s.end) == (2, 4))
+            swarm.crash(whole.peer_id)
+            out += [session.step(chunks[1]), session.step(chunks[2])]
+            assert [(s.start, s.end) for s in session.route] == [(0, 2), (2, 3), (3, 4)]
+        torch.testing.assert_close(torch.cat(out, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+        assert swarm.caches_free()
+    finally:
+        swarm.close()
+
+
+def test_passes_in_flight_are_answered_in_order_and_a_cancelled_one_is_dropped(swarm):
+    with swarm.session() as session:
+        first = session.step(inputs(4))  # opens the route: later steps can be kept in flight
+        assert session.can_pipeline
+        a, b, c = (session.submit(inputs(1, seed)) for seed in (1, 2, 3))
+        assert session.most_in_flight == 3
+        assert (a.position, b.position, c.position) == (4, 5, 6) and session.position == 7
+        out_a = session.wait(a)
+        session.cancel_after(a)  # b and c were built on a rejected draft
+        assert session.cancelled_steps == 2 and session.cancelled_positions == 2 and session.position == 5
+        d = session.submit(inputs(1, 4))  # overwrites what b wrote on the servers
+        out_d = session.wait(d)
+    expected = swarm.forward(torch.cat([inputs(4), inputs(1, 1), inputs(1, 4)], dim=1))
+    torch.testing.assert_close(torch.cat([first, out_a, out_d], dim=1), expected, rtol=0, atol=1e-5)
+
+
+def test_a_crash_with_passes_in_flight_redoes_the_unanswered_ones(swarm):
+    with swarm.session() as session:
+        outputs = [session.step(inputs(3))]
+        handles = [session.submit(inputs(1, seed)) for seed in (1, 2, 3)]
+        assert session.most_in_flight == 3
+        dead = session.route[1].peer_id
+        swarm.crash(dead)
+        outputs += [session.wait(h) for h in handles]
+        assert session.route[1].peer_id != dead
+    expected = swarm.forward(torch.cat([inputs(3), *(inputs(1, s) for s in (1, 2, 3))], dim=1))
+    torch.testing.assert_close(torch.cat(outputs, dim=1), expected, rtol=0, atol=1e-5)
+
+
+def test_the_chain_runs_a_step_given_as_data_at_the_position_it_names(swarm):
+    """Chain.run takes one Step (client.chain.steps): input, position, and what comes back."""
+    with swarm.session() as session:
+        session.step(inputs(2))
+        out = run_sync(session.chain.run(Step(inputs(1, 1), position=2, last=1)))
+    torch.testing.assert_close(out, swarm.forward(torch.cat([inputs(2), inputs(1, 1)], dim=1))[:, -1:],
+                               rtol=0, atol=1e-5)
+
+
+def test_pushed_frames_of_passes_in_flight_are_let_go_each_by_its_own_size(swarm):
+    """Every pushed frame counts against its pusher's allowance until its step has run (server.rpc.push_budget);
+    frames of different sizes in flight at once must each give back their own bytes, or the allowance leaks until
+    a short session's pushes can no longer fit and wait unanswered."""
+    sizes = (4, 1, 3, 1, 2, 1, 4, 1, 3, 1)
+    with swarm.session(max_length=32) as session:
+        session.step(inputs(4))
+        for _ in range(2):
+            handles = [session.submit(inputs(t, seed)) for seed, t in enumerate(sizes, start=1)]
+            assert session.most_in_flight >= 2
+            for handle in handles:
+                session.wait(handle)
+            session.rollback(4)
+        assert session.pushed_steps == 1 + 2 * len(sizes)
+    assert swarm.push_frames_held() == {}
