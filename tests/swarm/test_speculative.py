@@ -235,8 +235,8 @@ def test_every_family_decodes_speculatively_exactly_as_hf_greedy(family):
         assert session.position == out.shape[1] - 1
         if kwargs.get("passes_in_flight") == 1:
             assert session.steps == 10  # the model drafting for itself: 6 tokens per round trip, 60 = 10 * 6
-        elif "assistant_model" in kwargs:  # passes were in flight, and every one of them kept
-            assert session.most_in_flight >= 2 and session.cancelled_steps == 0
+        elif "assistant_model" in kwargs:  # every pass kept (whether one was still unanswered when the next was
+            assert session.cancelled_steps == 0  # sent depends on drafting vs loopback: the slow-server tests check it)
 
 
 # ---------------------------------------------------------------------- failover

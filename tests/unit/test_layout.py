@@ -106,3 +106,14 @@ def test_the_parts_form_no_cycle(side):
         return any(n == target or (n not in seen and reaches(n, target, seen | {n})) for n in allowed[start])
 
     assert [p for p in packages if reaches(p, p, set())] == []
+
+
+@pytest.mark.parametrize("side", ["client", "server"])
+def test_no_module_of_client_or_server_is_over_400_lines(side):
+    """Small modules, as STYLE.md asks: a module past 400 lines is doing two things; split it along them."""
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in (PACKAGE / side).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert long == {}
