@@ -259,7 +259,9 @@ class Bench:
     def route(self) -> None:
         three = {"first": ["--blocks", "0:1"], "middle": ["--blocks", "1:3"], "last": ["--blocks", "3:4"]}
         liar, replica = "middle", "replica"
-        for name, fault in [("push framing (corrupt pushes)", "corrupt-push"), ("NaN answers", "nan")]:
+        for name, fault in [("push framing (corrupt pushes)", "corrupt-push"),
+                            ("pushes unlike their receipts (a stall nobody is blamed for)", "misdigest-push"),
+                            ("NaN answers", "nan")]:
             with ExitStack() as stack:
                 local = self.swarm(stack)
                 peers = local.start_dht()

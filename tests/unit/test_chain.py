@@ -15,6 +15,7 @@ import torch
 from corolla.client.chain.steps import Step
 from corolla.client.event_loop import run_sync
 from corolla.protocol.errors import MissingBlocks, PeerUnavailable
+from corolla.server.rpc.faults import FaultInjector
 from inprocess_swarm import InProcessSwarm
 
 H = 64  # the tiny Llama's hidden size
@@ -155,3 +156,32 @@ def test_pushed_frames_of_passes_in_flight_are_let_go_each_by_its_own_size(swarm
             session.rollback(4)
         assert session.pushed_steps == 1 + 2 * len(sizes)
     assert swarm.push_frames_held() == {}
+
+
+def test_a_pusher_whose_pushes_are_not_what_it_signs_costs_a_relay_not_a_stall_and_is_routed_around_in_the_end(
+        swarm):
+    """Attack: the first server answers the client honestly and signs its receipt over that honest output, but
+    pushes a corrupted copy. The receiver refuses it at once (PushRefused, DIGEST); one's word against the other's
+    convicts nobody, so the link is cut for the session (relayed from then on: exact outputs, no wait for the request
+    timeout) and counted; once the liar has failed with two receivers, each failing with nobody else, the client
+    routes around it. The honest receivers are never suspected."""
+    liar = swarm.servers[0]  # the only server of blocks 0:2
+    liar.handler.parts.faults = FaultInjector(None, "misdigest-push", 5.0)
+    liar.handler.parts.faults.arm()
+    manager = swarm.manager(min_backoff=30.0, request_timeout=600.0)  # a stall would take the whole test's time
+    chunks = [inputs(4), inputs(1, 1), inputs(1, 2), inputs(1, 3)]
+    receivers = []
+    for avoid in (None, "first receiver"):
+        if avoid is not None:
+            manager.ban(receivers[0], at_least=30.0)  # the next route takes the other server of 2:4
+        with swarm.session(manager=manager) as session:
+            out = run_session(session, chunks)
+            receivers.append(session.route[1].peer_id)
+            assert session.chain.cut_links == {(liar.peer_id, receivers[-1])}
+            assert session.pushed_steps == 0 and not session.can_pipeline  # every step relayed after the refusal
+        torch.testing.assert_close(out, swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+    assert len(set(receivers)) == 2
+    assert manager.links.suspects() == {liar.peer_id}
+    assert liar.peer_id in manager.banned() and manager.distrusted == set()
+    assert receivers[1] not in manager.banned()
+    assert liar.peer_id not in manager.banned(unreachable_only=True)  # still used where nobody else holds 0:2

@@ -7,13 +7,14 @@ import torch
 
 from corolla.client.chain.failover_plan import Culprit, Repair, culprit, repair_plan
 from corolla.client.chain.push_audit import BadAnswer, Blame
-from corolla.client.chain.span_session import PushFailed
+from corolla.client.chain.span_session import LinkFailed, PushFailed
 from corolla.protocol.errors import ErrorCode, PeerUnavailable, RemoteError
 
 PUSH_FAILED = PushFailed("push to next failed", torch.zeros(1, 1, 4))
 LYING_PUSHER = BadAnswer("B", Blame("pusher", "the receipt shows another tensor"))
 BAD_ANSWER = BadAnswer("B", Blame("receiver", "NaN in the output"))
 SILENT = PeerUnavailable("server B did not answer within 5.0s")
+REFUSED = LinkFailed("server B refused the step A pushed (digest: ...)", "A", "B")
 ERROR = RemoteError(ErrorCode.INTERNAL, "boom", peer="B")
 
 
@@ -22,6 +23,7 @@ ERROR = RemoteError(ErrorCode.INTERNAL, "boom", peer="B")
     (2, LYING_PUSHER, Repair("convict_pusher", 1), Culprit(1, distrust=True)),  # its own signature convicts it
     (2, BAD_ANSWER, Repair("replace", 2), Culprit(2, distrust=False)),  # a BadAnswer is a PeerUnavailable too
     (2, SILENT, Repair("relay_unpushed", 2), None),  # the push may never have come: the relay finds out
+    (2, REFUSED, Repair("relay_unpushed", 2), None),  # one's word against the other's: the link is cut
     (0, SILENT, Repair("replace", 0), Culprit(0, distrust=False)),  # the client sent it the step itself
     (1, ERROR, Repair("replace", 1), Culprit(1, distrust=False)),
 ])

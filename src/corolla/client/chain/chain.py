@@ -87,6 +87,7 @@ class Chain:
         self.prompts = prompts  # deep prompts (end - start, P, H), or None
         self.checks = checks
         self.spans: list[SpanSession] | None = None  # opened by the first step
+        self.cut_links: set[tuple[str, str]] = set()  # (pusher, receiver) links that failed: relayed from then on
         self.next_id = StepIds()  # step ids, shared by every span (a pushed step keeps its id)
         self.pushed_steps = 0  # steps that went server to server all the way (push mode, no hop failed)
         self.cancelled_steps = 0  # steps sent by `submit` and cancelled before their answer was used
@@ -105,7 +106,13 @@ class Chain:
     @property
     def can_pipeline(self) -> bool:
         """Whether `submit` can keep steps in flight: the route is open and pushes (or is one server)."""
-        return self.spans is not None and (len(self.spans) == 1 or self.config.push)
+        return self.spans is not None and (len(self.spans) == 1 or (self.config.push and not self.crosses_cut_link))
+
+    @property
+    def crosses_cut_link(self) -> bool:
+        """Whether two neighbours of the route are a link that failed (client.chain.failover): steps go by relay."""
+        spans = self.spans or []
+        return any((a.span.peer_id, b.span.peer_id) in self.cut_links for a, b in zip(spans, spans[1:]))
 
     @property
     def step_latency(self) -> float | None:
@@ -122,7 +129,7 @@ class Chain:
         if self.spans is None:
             self.spans = await open_route(self, self.start, self.end, None)
         prompt_length = 0 if self.prompts is None else self.prompts.shape[1]
-        if can_push(len(self.spans), self.config.push, step.position, prompt_length):
+        if can_push(len(self.spans), self.config.push, step.position, prompt_length) and not self.crosses_cut_link:
             output = await self.push(step)
         else:
             output = await failover.relay(self, step, 0)

@@ -89,8 +89,11 @@ async def repair_push(chain: Chain, step: Step, inputs: list[torch.Tensor], inde
 
 
 async def _relay_unpushed(chain: Chain, step: Step, index: int, error: Exception) -> torch.Tensor:
-    """spans[index] never answered a pushed step: send it the step directly. If it answers now, the server before
-    it did not push (it is banned for a while: that link does not work); if not, spans[index] failed."""
+    """spans[index] did not run a pushed step (silent about it, or refusing it as not what its pusher signed): send
+    it the step directly. If it answers now, the link from the server before it failed, and neither side is proven at
+    fault: the link is cut for this session (its steps go by relay while that pair is on its route) and counted in
+    the client's link record, which bans a peer that keeps being the common factor of failed links
+    (client.swarm.links). If it does not answer, spans[index] failed."""
     spans = chain.spans
     assert spans is not None
     span, pusher = spans[index], spans[index - 1]
@@ -99,9 +102,11 @@ async def _relay_unpushed(chain: Chain, step: Step, index: int, error: Exception
                               step.answer(index, len(spans)))
     except (PeerUnavailable, RemoteError) as e:
         return await relay(chain, step, index, e)
-    logger.warning("server %s answered the step relayed to it, but not when %s pushed it (%s); banning %s",
-                   span.span.peer_id, pusher.span.peer_id, error, pusher.span.peer_id)
-    chain.manager.ban(pusher.span.peer_id)
+    link = (pusher.span.peer_id, span.span.peer_id)
+    logger.warning("server %s answered the step relayed to it, but not when %s pushed it (%s); relaying that link",
+                   link[1], link[0], error)
+    chain.cut_links.add(link)
+    chain.manager.link_failed(*link)
     chain.accept(span, step, step.hidden, out)
     return await relay(chain, step.carrying(out), index + 1)
 

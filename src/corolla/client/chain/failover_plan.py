@@ -10,8 +10,11 @@ is replaced before the redo.
     PushFailed (i answered, push failed)  nobody          relayed from span i + 1 (i's answer kept)
     BadAnswer, blame "pusher"             span i - 1      i - 1 distrusted and replaced, later caches rebuilt,
                                                           relayed from span i - 1
-    PeerUnavailable, i > 0 (silent)       unknown yet     relayed to span i; if it answers now, i - 1 did not push
-                                                          (banned for a while), else span i failed
+    PeerUnavailable, i > 0 (silent), or   unknown yet     relayed to span i; if it answers now, the link from
+    LinkFailed (i refused what i - 1                      i - 1 failed: cut for the session (its steps go by
+    pushed as not what it signed)                         relay), counted in client.swarm.links (a peer that is
+                                                          the common factor of failed links is banned); else
+                                                          span i failed
     BadAnswer (receiver), RemoteError,    span i          span i replaced (failover), relayed from span i
     PeerUnavailable at span 0
 """

@@ -23,8 +23,8 @@ from corolla.client.swarm.routing import Span
 from corolla.client.swarm.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import PeerUnavailable
-from corolla.protocol.messages import (BlockRange, CloseSession, InferenceStep, OpenSession, PushRefused, PushSet,
-                                       PushSource, PushTarget, SessionOpened, SetPush, StepResult)
+from corolla.protocol.messages import (BlockRange, CloseSession, InferenceStep, OpenSession, PushRefusal, PushRefused,
+                                       PushSet, PushSource, PushTarget, SessionOpened, SetPush, StepResult)
 from corolla.protocol.receipts import tensor_digest
 
 
@@ -34,6 +34,16 @@ class PushFailed(Exception):
     def __init__(self, message: str, output: torch.Tensor):
         super().__init__(message)
         self.output = output
+
+
+class LinkFailed(PeerUnavailable):
+    """The receiver refused a push whose receipt the client finds genuine, as not what the pusher signed (DIGEST,
+    RECEIPT) or as stale: the pusher sent something else than it signed, or the receiver lies about it, and one's word
+    against the other's proves nothing (client.swarm.links counts such links instead)."""
+
+    def __init__(self, message: str, pusher: str, receiver: str):
+        super().__init__(message)
+        self.pusher, self.receiver = pusher, receiver
 
 
 @dataclass(frozen=True)
@@ -224,6 +234,9 @@ class SpanSession:
                 answer=pushed.answer,
             )
             if blame is None and isinstance(reply, PushRefused):
+                if reply.cause != PushRefusal.INPUT:  # its word against the pusher's: the link failed
+                    raise LinkFailed(f"server {peer} refused the step {pushed.pusher} pushed ({reply.cause.value}: "
+                                     f"{reply.reason})", pushed.pusher, peer)
                 blame = Blame("receiver", f"it refused a well-formed push ({reply.reason})")
             if blame is not None:
                 raise BadAnswer(peer, blame)

@@ -4,7 +4,8 @@ All methods run on the client's event loop.
 
 Two kinds of failure are told apart:
 - a peer that answered badly or broke a stream is *banned* with exponential backoff, but a ban never makes a
-  block unservable: when only banned peers hold a block, they are used anyway;
+  block unservable: when only banned peers hold a block, they are used anyway (so are the common factors of failed
+  push links, client.swarm.links, routed around as banned ones);
 - a peer that cannot even be dialed (by a session, or by the background pings) is *unreachable*: it is skipped
   outright for at least `unreachable_ban` seconds, so a dead server whose DHT record has not expired yet costs
   one failed dial, and leads to `MissingBlocks` rather than a hang when nobody else holds its blocks. A later ping
@@ -24,6 +25,7 @@ import time
 
 from corolla.client.config import ClientConfig
 from corolla.client.swarm.bans import Ban, banned_peers, next_ban, retry_delay
+from corolla.client.swarm.links import LinkRecord
 from corolla.client.swarm.routing import (Span, find_route, measured_speed, sample_route, uncovered_blocks, usable_servers,
                                     with_codec)
 from corolla.dht import SwarmNode, fetch_block_servers
@@ -58,6 +60,7 @@ class SequenceManager:
         self._bans: dict[str, Ban] = {}
         # spot checks (client.trust.spot_checks): peers caught returning wrong outputs, never routed through again
         self.distrusted: set[str] = set()
+        self.links = LinkRecord()  # push links that failed with no provable culprit (client.swarm.links)
         self._stale = False  # set by invalidate(): re-read the DHT at the next update
         self._update_lock = asyncio.Lock()
         self._pings: asyncio.Task[None] | None = None
@@ -144,7 +147,19 @@ class SequenceManager:
     # ------------------------------------------------------------------ bans
     def banned(self, unreachable_only: bool = False) -> set[str]:
         banned = banned_peers(self._bans, time.monotonic(), unreachable_only)
+        if not unreachable_only:  # the common factors of failed push links, while other servers hold their blocks
+            banned |= self.links.suspects()
         return banned | self.distrusted  # spot checks: a liar is skipped even as a block's only server
+
+    def link_failed(self, pusher: str, receiver: str) -> set[str]:
+        """A push from `pusher` to `receiver` failed with neither side provably at fault: count it. Peers that are
+        now the common factor of failed links (client.swarm.links) are routed around like banned ones (`banned`)
+        for as long as the record holds those failures, answering honestly meanwhile or not; returns them."""
+        suspects = self.links.record(pusher, receiver)
+        for peer in sorted(suspects & {pusher, receiver}):
+            logger.warning("peer %s is the common factor of push links that failed (with %s): routing around it",
+                           peer, ", ".join(sorted(self.links.partners()[peer])))
+        return suspects
 
     def ban(self, peer_id: str, unreachable: bool = False, at_least: float = 0.0) -> None:
         """Avoid `peer_id` for a while: min_backoff after its first failure, doubling with each further one, and at

@@ -17,6 +17,9 @@ The hostile modes below attack the trust model (docs/security.md) rather than fa
 
 - corrupt-push:    what it pushes to the next server is corrupted as above (and signed as pushed); what it answers
                    the client is honest. Without push receipts this got the honest next server convicted.
+- misdigest-push:  what it pushes is corrupted, under a receipt signed over the honest output it answers the client
+                   with: the receiver refuses it (PushRefused DIGEST), and the pusher's word stands against the
+                   receiver's (client.swarm.links). Without that, every step stalled for the request timeout.
 - lie-to-checkers: inference steps are honest; forward passes (what spot checks call) are corrupted, to get the
                    honest servers it checks distrusted.
 - nan:             inference steps answer NaN (to the client and to the next server).
@@ -45,7 +48,8 @@ from corolla.server.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
-FAULT_MODES = ("fail", "drop", "stall", "corrupt", "corrupt-push", "lie-to-checkers", "nan", "false-quant", "slow")
+FAULT_MODES = ("fail", "drop", "stall", "corrupt", "corrupt-push", "misdigest-push", "lie-to-checkers", "nan",
+               "false-quant", "slow")
 SLOW_STEP_SECONDS = 0.1
 CORRUPT_SCALE = 1.01
 FALSE_QUANT_SCALE = 1.1  # moves a span's output by ~7e-2 relative: far past float32's tolerance, inside nf4's
@@ -82,15 +86,20 @@ class FaultInjector:
         logger.warning("fault armed: from now on inference steps %s (--inject-fault)", self.mode)
         self.armed = True
 
+    @property
+    def signs_honest_output(self) -> bool:
+        """Whether the receipt of a push signs the honest output whatever is pushed (misdigest-push)."""
+        return self.armed and self.mode == "misdigest-push"
+
     def pushed(self, output: Tensor) -> Tensor:
-        """What to push on to the next server instead of `output` (corrupt-push, once armed)."""
-        if self.armed and self.mode == "corrupt-push":
-            logger.warning("injecting fault 'corrupt-push' into a pushed step")
+        """What to push on to the next server instead of `output` (corrupt-push and misdigest-push, once armed)."""
+        if self.armed and self.mode in ("corrupt-push", "misdigest-push"):
+            logger.warning("injecting fault '%s' into a pushed step", self.mode)
             return corrupted(output)
         return output
 
     async def step(self, session: ServerSession, step: Step, plan: Plan) -> Tensor:
-        if not self.armed or self.mode in ("corrupt-push", "lie-to-checkers"):
+        if not self.armed or self.mode in ("corrupt-push", "misdigest-push", "lie-to-checkers"):
             return await self.inner.step(session, step, plan)
         if self.mode == "nan":
             logger.warning("injecting fault 'nan' into an inference step")

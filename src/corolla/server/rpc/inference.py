@@ -117,6 +117,7 @@ class InferenceRpc:
         if target is None or parts.pushes is None:
             return result
         pushed = output if parts.faults is None else parts.faults.pushed(output)  # corrupt-push: a test's liar
+        signed = output if parts.faults is not None and parts.faults.signs_honest_output else pushed
         push, tensors = outgoing_push(
             parts.key,
             target,
@@ -124,11 +125,12 @@ class InferenceRpc:
             message.position,
             message.hypo_ids,
             True,
-            pushed,
+            signed,
             mask,
             live.codec,
             message.answer,
         )
+        tensors["hidden"] = pushed  # misdigest-push: not what the receipt signs
         try:
             await parts.pushes.send(target.peer_id, push, tensors, live.codec)
         except Exception as e:  # the next server is gone: the client replaces it and relays this step
