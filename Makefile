@@ -17,7 +17,7 @@ install: $(VENV_PYTHON)
 demo: install
 	$(VENV)/bin/corolla demo
 
-# the default tiers (unit + swarm; about 8 minutes on 2 cores), then the 15 slowest tests
+# the default tiers (unit + swarm; about 13 minutes on 2 cores), then the 15 slowest tests
 test: install
 	$(VENV_PYTHON) -m pytest --durations=15
 
