@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     conversation = ""  # the whole text so far; each turn passes all of it, the session sends only what is new
     try:
-        with model.inference_session(max_length=args.max_length) as session:
+        with model.inference_session(max_length=args.max_length, standby=args.standby) as session:
             while True:
                 try:
                     line = input("you> ")

@@ -35,6 +35,11 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's, else 1.0)")
     p.add_argument("--repetition-penalty", type=float, default=None, help="penalty for repeated tokens (default: 1.0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--standby", type=int, choices=(0, 1), default=None, metavar="N",
+                   help="1: a standby replica per span of the session's route, fed the same hidden states, so a "
+                        "server leaving costs about one token's time instead of a replay (another server computes "
+                        "every span twice; the client uploads each span's inputs once more); default "
+                        "ClientConfig.standby (0)")
     add_speculation_arguments(p)
 
 
@@ -147,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
         streamer = TextStreamer(tokenizer, skip_special_tokens=True)
-        model.generate(input_ids, streamer=streamer, assistant_model=load_assistant(args), **sampling_kwargs(args))
+        model.generate(input_ids, streamer=streamer, assistant_model=load_assistant(args), standby=args.standby,
+                       **sampling_kwargs(args))
         sys.stdout.flush()
     finally:
         model.shutdown()

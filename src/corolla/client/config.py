@@ -32,6 +32,12 @@ class ClientConfig:
     # inference steps go to the first server with the rest of the route, and each server pushes its output straight
     # to the next one (one network crossing per hop, not two); False: the client relays every hop (Petals' way)
     push: bool = True
+    # standby replicas (client.chain.standby): 1 = every span of a session's route gets a second server of the same
+    # blocks, fed the same hidden states every step (its own KV cache at the same position), promoted when the
+    # primary fails: a failover costs about one step instead of a replay of the whole history. It costs that server
+    # the span's compute and cache, and the client one more upload of each span's inputs (the prompt too), so it is
+    # the user's choice: 0 (the default) = off. Per session: `inference_session(..., standby=...)`
+    standby: int = 0
 
     # spot checks (client.trust.spot_checks): the probability that a step's output of a span is recomputed by another
     # server holding those blocks and compared. 0 (the default) = off: a check costs a second server a forward over
@@ -62,6 +68,8 @@ class ClientConfig:
         check_codec(self.compression)
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be at least 1, got {self.prefill_chunk_tokens!r}")
+        if self.standby not in (0, 1):
+            raise ValueError(f"standby must be 0 or 1, got {self.standby!r}")
         if not 0.0 <= self.verify_rate <= 1.0:
             raise ValueError(f"verify_rate must be within [0, 1], got {self.verify_rate!r}")
         if self.allowed_quant is not None:

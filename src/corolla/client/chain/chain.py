@@ -34,6 +34,7 @@ from corolla.client.chain.pipelined_prefill import chunk_tokens, pipelined_push
 from corolla.client.chain.push_route import can_push, links_to_fix
 from corolla.client.chain.route_opening import close_spans, open_route
 from corolla.client.chain.span_session import BadAnswer, PushFailed, SpanSession, pushed_by
+from corolla.client.chain.standby import StandbyJudge, Standbys, StandbyStats
 from corolla.client.chain.steps import Step, StepIds
 from corolla.client.config import ClientConfig
 from corolla.client.swarm.sequence_manager import SequenceManager
@@ -81,6 +82,8 @@ class Chain:
         end: int,
         prompts: torch.Tensor | None,
         checks: StepObserver | None,
+        standby: int = 0,
+        judge: StandbyJudge | None = None,
     ):
         self.manager, self.config, self.state = manager, config, state
         self.max_length, self.batch_size, self.start, self.end = max_length, batch_size, start, end
@@ -97,6 +100,9 @@ class Chain:
         self.pipe: PassPipe | None = None  # steps in flight (submit), None when none are
         self.repairing: asyncio.Future | None = None  # a failed pipe's steps being redone (client.chain.failover)
         self._step_times: deque[float] = deque(maxlen=16)  # seconds from sending a step to its answer, recent ones
+        # standby replicas (client.chain.standby): a second server per span, promoted when its primary fails
+        self.standby_stats = StandbyStats()
+        self.standbys: Standbys | None = Standbys(self, judge) if standby else None
 
     @property
     def exchanges(self) -> int:
@@ -128,6 +134,8 @@ class Chain:
             await self.drain()
         if self.spans is None:
             self.spans = await open_route(self, self.start, self.end, None)
+            if self.standbys is not None:
+                self.standbys.cover(self.spans)
         prompt_length = 0 if self.prompts is None else self.prompts.shape[1]
         if can_push(len(self.spans), self.config.push, step.position, prompt_length) and not self.crosses_cut_link:
             output = await self.push(step)
@@ -206,6 +214,8 @@ class Chain:
         or reordered step)."""
         span.record(x, step.position, step.hypo_ids)
         self.manager.forgive(span.span.peer_id)
+        if self.standbys is not None:
+            self.standbys.feed(span, step, x, output)
         if self.checks is not None and not replay and step.mask is None and step.hypo_ids is None:
             self.checks.after_step(span, step.position, output, span.prompts, step.end)
 
@@ -299,11 +309,14 @@ class Chain:
             index += await failover.replace_span(self, index, position)
 
     async def close(self) -> None:
-        """Read what steps in flight still owe, then close every span's stream (their caches are freed)."""
+        """Read what steps in flight still owe, then close every span's stream and standby (their caches are
+        freed)."""
         try:
             await self.drain()
         except Exception as e:  # closing anyway: the servers free what they hold
             logger.info("steps in flight failed while closing: %s", e)
+        if self.standbys is not None:
+            await self.standbys.close()
         spans, self.spans = self.spans, None
         if spans:
             await close_spans(spans)

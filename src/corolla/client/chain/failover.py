@@ -58,7 +58,8 @@ async def relay(chain: Chain, step: Step, index: int, failed: Exception | None =
                                   x.shape[0] * x.shape[1])
         except (PeerUnavailable, RemoteError) as e:
             failures = chain.manager.after_failure(e, failures, span.span)
-            await chain.manager.backoff(failures)
+            if chain.standbys is None or not chain.standbys.ready(span):  # a standby needs no fresh view of the swarm
+                await chain.manager.backoff(failures)
             await replace_span(chain, index, step.position)
             continue
         chain.accept(span, step, x, out)
@@ -136,15 +137,23 @@ def distrust(chain: Chain, peer_id: str, reason: str) -> None:
 
 
 async def replace_span(chain: Chain, index: int, position: int) -> int:
-    """Close spans[index] and open a fresh route over its blocks, replaying its inputs before `position`; returns
-    how many spans took its place."""
+    """Close spans[index] and put its standby in its place (client.chain.standby: nothing replayed), or else open a
+    fresh route over its blocks, replaying its inputs before `position`; returns how many spans took its place.
+    The spans that took it get standbys of their own, in the background."""
     spans = chain.spans
     assert spans is not None
     span = spans[index]
     await span.close()
-    history = span.history[:, :position] if span.history is not None else None
-    replacement = await open_route(chain, span.span.start, span.span.end, history)
+    standbys = chain.standbys
+    promoted = None if standbys is None else await standbys.promote(span, position)
+    if promoted is not None:
+        replacement = [promoted]
+    else:
+        history = span.history[:, :position] if span.history is not None else None
+        replacement = await open_route(chain, span.span.start, span.span.end, history)
     spans[index : index + 1] = replacement
+    if standbys is not None:
+        standbys.cover(replacement)
     if index > 0:
         # the link into it gets a fresh secret, so a push over the old link can only reach the old session (which
         # may still be closing on the same server), never the replacement

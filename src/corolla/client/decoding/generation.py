@@ -51,7 +51,8 @@ class GenerationModel(Protocol):
     generation_config: GenerationConfig
 
     def open_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
-        """A session for `max_length` token positions (prompt-tuning prompts come on top)."""
+        """A session for `max_length` token positions (prompt-tuning prompts come on top); `generate(...,
+        standby=N)` also passes `standby=N` (InferenceSession's standby replicas)."""
         ...
 
     def embed(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,6 +78,7 @@ def generate(
     stopping_criteria: list[StoppingCriteria] | None = None,
     assistant_model: torch.nn.Module | None = None,
     passes_in_flight: int | str = "auto",
+    standby: int | None = None,
     **kwargs: Any,
 ) -> torch.LongTensor:
     """Generate token ids like `transformers` `generate`: greedy, sampling or beam search.
@@ -91,6 +93,8 @@ def generate(
     `passes_in_flight` (speculative decoding only): how many verify passes may be in flight through the servers at
     once (client.decoding.speculative_pipeline): 1 is sequential speculation, "auto" chooses by the chain's measured latency
     and the acceptance so far; the session's `steps` counts passes, `cancelled_steps` the ones cancelled.
+    `standby` (0 or 1) is the session's standby replicas (client.chain.standby) when `generate` opens the session
+    (default ClientConfig.standby); a given session keeps its own (a different value is a ValueError).
     Returns (rows, m + new) token ids: this call's input ids, then the generated tokens (rows that finished early
     are padded with pad_token_id); with inputs_embeds alone, only the generated tokens. Raises ValueError for a
     session too short for the request (before anything is sent) or bad shapes, TypeError for unsupported arguments.
@@ -134,8 +138,12 @@ def generate(
     new_tokens = max(limits.max_length - prompt_len, 0)
     positions = context_len + max(new_tokens - 1, 0)  # the last generated token is not sent
     own_session = session is None
-    if session is None:
+    if session is None and standby is not None:
+        session = model.open_session(max(positions, 1), call.ids.shape[0], standby=standby)
+    elif session is None:
         session = model.open_session(max(positions, 1), call.ids.shape[0])
+    elif standby is not None and standby != session.standby:
+        raise ValueError(f"the session was opened with standby={session.standby}, got standby={standby}")
     elif session.prefix_length + positions > session.max_length:
         raise ValueError(
             f"the session's max_length={session.max_length} is too short: this call needs "

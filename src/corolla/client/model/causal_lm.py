@@ -145,13 +145,14 @@ class DistributedModelForCausalLM(nn.Module):
     # ------------------------------------------------------------------ sessions and generation
     @contextmanager
     def inference_session(
-        self, max_length: int, batch_size: int = 1, active_adapter: str | None = None
+        self, max_length: int, batch_size: int = 1, active_adapter: str | None = None, standby: int | None = None
     ) -> Iterator[InferenceSession]:
         """Open a KV-cached session on the servers; `generate` inside the block uses it unless given another.
 
         `active_adapter` runs this session with that LoRA adapter (default: the model's, see from_pretrained).
-        With prompt tuning the servers reserve pre_seq_len positions more, for the prompts."""
-        session = self.open_session(max_length, batch_size, active_adapter)
+        `standby=1` gives each span of its route a standby replica, promoted if its server fails (client.chain.standby;
+        default ClientConfig.standby, 0). With prompt tuning the servers reserve pre_seq_len positions more."""
+        session = self.open_session(max_length, batch_size, active_adapter, standby)
         previous = getattr(self._active, "session", None)
         self._active.session = session
         try:
@@ -160,15 +161,17 @@ class DistributedModelForCausalLM(nn.Module):
             self._active.session = previous
             session.close()
 
-    def open_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None) -> InferenceSession:
-        """A new InferenceSession for `max_length` tokens (the caller closes it). With prompt tuning it holds
-        pre_seq_len positions more and carries the prompts (deep ones too) as they are now."""
+    def open_session(self, max_length: int, batch_size: int = 1, active_adapter: str | None = None,
+                     standby: int | None = None) -> InferenceSession:
+        """A new InferenceSession for `max_length` tokens (the caller closes it), with `standby` replicas (0 or 1,
+        default ClientConfig.standby). With prompt tuning it holds pre_seq_len positions more and carries the
+        prompts (deep ones too) as they are now."""
         prefix = deep = None
         if self.ptune is not None:
             prefix = self.ptune.prompts.detach().clone()
             deep = None if self.ptune.deep_prompts is None else self.ptune.deep_prompts.detach().clone()
         return self.transformer.inference_session(
-            max_length + self.prompt_length, batch_size, active_adapter, deep, prefix
+            max_length + self.prompt_length, batch_size, active_adapter, deep, prefix, standby
         )
 
     @property

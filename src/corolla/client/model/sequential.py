@@ -87,9 +87,11 @@ class RemoteSequential(nn.Module):
         active_adapter: str | None = None,
         prompts: torch.Tensor | None = None,
         prefix: torch.Tensor | None = None,
+        standby: int | None = None,
     ) -> InferenceSession:
         """A KV-cached session over this module's blocks; `prompts` (len(self), P, H) are deep prompts, and `prefix`
-        (P, H) prompt-tuning prompts sent before the first token (see InferenceSession)."""
+        (P, H) prompt-tuning prompts sent before the first token; `standby` 0 or 1: a standby replica per span
+        (default ClientConfig.standby; see InferenceSession)."""
         return InferenceSession(
             self.manager,
             max_length,
@@ -99,4 +101,5 @@ class RemoteSequential(nn.Module):
             active_adapter=active_adapter,
             prompts=prompts,
             prefix=prefix,
+            standby=standby,
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 from dataclasses import replace
+from operator import attrgetter
 
 import torch
 
@@ -26,6 +27,7 @@ from corolla.client.swarm.routing import Span
 from corolla.client.swarm.sequence_manager import SequenceManager
 from corolla.client.session.session_state import CallReading, SessionState, check_prompt_shapes
 from corolla.client.trust.spot_checks import SessionChecks, client_checks  # spot checks (ClientConfig.verify_rate)
+from corolla.client.trust.standby_judge import StandbyJudge
 from corolla.protocol.errors import SessionExpired
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,11 @@ class InferenceSession:
     `cancelled_steps` and `cancelled_positions`, steps sent by `submit` and cancelled before their answer was used,
     and their positions (what every server of the route computed for nothing); `most_in_flight`, the most steps
     `submit` had in flight at once; `in_flight_total`, summed over steps, how many were in flight once it was sent,
-    it included (divided by `steps`: a mean).
+    it included (divided by `steps`: a mean). `standby` (0 or 1; default ClientConfig.standby): a standby replica
+    per span (client.chain.standby); what it costs and did: `standby_steps` (steps a standby server computed),
+    `standby_bytes_sent` (hidden-state bytes the client sent them), `standby_replayed_positions` (replayed into
+    standbys opened mid-session), `standby_promotions` (failovers without a replay), `standby_missing` (spans with
+    no other holder), `standby_lost` (standbys dropped), `standby_mismatches` (answers sent to the disputes).
     """
 
     def __init__(
@@ -65,9 +71,13 @@ class InferenceSession:
         active_adapter: str | None = None,
         prompts: torch.Tensor | None = None,
         prefix: torch.Tensor | None = None,
+        standby: int | None = None,
     ):
         if max_length <= 0:
             raise ValueError("max_length must be positive")
+        self.standby = manager.config.standby if standby is None else standby
+        if self.standby not in (0, 1):
+            raise ValueError(f"standby must be 0 or 1, got {standby!r}")
         self.manager = manager
         # this session's LoRA adapter: the given one, else the client's (ClientConfig.active_adapter)
         self.config = (
@@ -84,12 +94,13 @@ class InferenceSession:
         self.closed = False
         self.steps = 0  # steps that reached the servers: round trips through the chain (failover replays not counted)
         # spot checks of this session's servers (client.trust.spot_checks), None when ClientConfig.verify_rate is 0
-        self.checks: SessionChecks | None = (
-            SessionChecks(client_checks(manager)) if manager.config.verify_rate > 0 else None
-        )
-        # the route: its spans, push links, failover and steps in flight (client.chain.chain)
+        # and no standby's disagreement may need settling (they share the disputes and rewinds)
+        checking = manager.config.verify_rate > 0
+        self.checks = SessionChecks(client_checks(manager)) if checking or self.standby else None
+        judge = StandbyJudge(self.checks) if self.standby and self.checks is not None else None
+        # the route: its spans, push links, failover, standbys and steps in flight (client.chain.chain)
         self.chain = Chain(manager, self.config, self._state, max_length, batch_size, self.start, self.end,
-                           self.prompts, self.checks)
+                           self.prompts, self.checks if checking else None, self.standby, judge)
 
     # ------------------------------------------------------------------ what the session holds
     @property
@@ -343,29 +354,19 @@ class InferenceSession:
             self.checks.rewinds.append(position)
 
     # ------------------------------------------------------------------ the chain's counters (see the class doc)
-    @property
-    def exchanges(self) -> int:
-        return self.chain.exchanges
-
-    @property
-    def pushed_steps(self) -> int:
-        return self.chain.pushed_steps
-
-    @property
-    def cancelled_steps(self) -> int:
-        return self.chain.cancelled_steps
-
-    @property
-    def cancelled_positions(self) -> int:
-        return self.chain.cancelled_positions
-
-    @property
-    def most_in_flight(self) -> int:
-        return self.chain.most_in_flight
-
-    @property
-    def in_flight_total(self) -> int:
-        return self.chain.in_flight_total
+    exchanges = property(attrgetter("chain.exchanges"))
+    pushed_steps = property(attrgetter("chain.pushed_steps"))
+    cancelled_steps = property(attrgetter("chain.cancelled_steps"))
+    cancelled_positions = property(attrgetter("chain.cancelled_positions"))
+    most_in_flight = property(attrgetter("chain.most_in_flight"))
+    in_flight_total = property(attrgetter("chain.in_flight_total"))
+    standby_steps = property(attrgetter("chain.standby_stats.steps"))
+    standby_bytes_sent = property(attrgetter("chain.standby_stats.bytes_sent"))
+    standby_replayed_positions = property(attrgetter("chain.standby_stats.replayed_positions"))
+    standby_promotions = property(attrgetter("chain.standby_stats.promotions"))
+    standby_missing = property(attrgetter("chain.standby_stats.missing"))
+    standby_lost = property(attrgetter("chain.standby_stats.lost"))
+    standby_mismatches = property(attrgetter("chain.standby_stats.mismatches"))
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:

@@ -303,3 +303,13 @@ def uncovered_blocks(
         for b in range(start, end)
         if next(usable_servers(block_servers, b, banned, adapter, allowed_quant), None) is None
     ]
+
+
+def whole_span_view(block_servers: Sequence[Mapping[str, ServerInfo]], start: int, end: int
+                    ) -> list[dict[str, ServerInfo]]:
+    """`block_servers` with only the servers that hold every block of [start, end) (their records as read): the view
+    in which any route over [start, end) is one server. Standby replicas (client.chain.standby) are routed in it."""
+    whole = set(block_servers[start]) if start < end else set()
+    for b in range(start + 1, end):
+        whole &= set(block_servers[b])
+    return [{peer: info for peer, info in servers.items() if peer in whole} for servers in block_servers]

@@ -22,12 +22,13 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Collection
 
 from corolla.client.config import ClientConfig
 from corolla.client.swarm.bans import Ban, banned_peers, next_ban, retry_delay
 from corolla.client.swarm.links import LinkRecord
 from corolla.client.swarm.routing import (Span, find_route, measured_speed, sample_route, uncovered_blocks, usable_servers,
-                                    with_codec)
+                                    whole_span_view, with_codec)
 from corolla.dht import SwarmNode, fetch_block_servers
 from corolla.dht.ping import ping, smooth
 from corolla.protocol.errors import AllocationFailed, MissingBlocks, PeerUnavailable, PeerUnreachable, RemoteError
@@ -250,10 +251,27 @@ class SequenceManager:
         """
         adapter = adapter if adapter is not None else self.config.active_adapter
         push = self.config.push if push is None else push
+        return await self._route(start, end, self._planner(None, start, end, cache_tokens_needed, adapter, push),
+                                 adapter)
+
+    async def make_standby(self, span: Span, exclude: Collection[str], cache_tokens_needed: int = 0) -> Span | None:
+        """Another server for all of span's blocks (a standby replica, client.chain.standby), chosen as `make_route`
+        chooses among the servers that hold them whole, none of `exclude` nor banned; None when there is none."""
+        await self.update()
+        adapter = self.config.active_adapter
+        view = whole_span_view(self.block_servers, span.start, span.end)
+        plan = self._planner(view, span.start, span.end, cache_tokens_needed, adapter, self.config.push)
+        route = plan(self.banned() | set(exclude))
+        return route[0] if route is not None and len(route) == 1 else None
+
+    def _planner(self, view: list[dict[str, ServerInfo]] | None, start: int, end: int, cache_tokens_needed: int,
+                 adapter: str | None, push: bool):
+        """plan(banned) -> the fastest route over [start, end) in `view` (None: the swarm as read when planning;
+        routing.find_route), or None."""
 
         def plan(banned: set[str]) -> list[Span] | None:
             return find_route(
-                self.block_servers,
+                self.block_servers if view is None else view,
                 start,
                 end,
                 banned=banned,
@@ -269,7 +287,7 @@ class SequenceManager:
                 rng=self._rng,  # a sample of the swarm, drawn by this client: clients spread (routing docstring)
             )
 
-        return await self._route(start, end, plan, adapter)
+        return plan
 
     async def make_forward_route(self, start: int, end: int) -> list[Span]:
         """A chain for a stateless forward/backward pass, drawn in proportion to server throughput."""

@@ -35,8 +35,9 @@ import logging
 import random
 import time
 import weakref
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -185,11 +186,15 @@ class SessionChecks:
             return
         if must:
             self.first_checks.add(span.peer_id)
-        task = asyncio.get_running_loop().create_task(
-            self._guarded(span, history, output.detach(), prompts, span_session.first_output)
-        )
+        self.start(self._guarded(span, history, output.detach(), prompts, span_session.first_output),
+                   history.shape[1] - output.shape[1])
+
+    def start(self, check: Coroutine[Any, Any, None], covers: int) -> None:
+        """Run `check` (a check, or a dispute to settle) in the background, in `tasks` until it ends; `covers`: the
+        first position whose output it checks."""
+        task = asyncio.get_running_loop().create_task(check)
         self.tasks.add(task)
-        self._covers[task] = history.shape[1] - output.shape[1]
+        self._covers[task] = covers
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
@@ -237,50 +242,42 @@ class SessionChecks:
         self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int
     ) -> None:
         client = self.client
-        suspect = span.peer_id
-        suspect_info = client.info(suspect, span.start)
-        suspect_kind = kind_of(suspect_info)
-        t = output.shape[1]
         # a forward computed as another kind takes no adapter or deep prompts (server.emulation)
         plain = prompts is None and client.manager.config.active_adapter is None
-        tiers = plan_checkers(suspect_info, client.holders(span, {suspect}), emulation=plain)
+        tiers = plan_checkers(client.info(span.peer_id, span.start), client.holders(span, {span.peer_id}), plain)
         if not tiers:
             client.unchecked += 1
             return
         client.checks_started += 1
         blocks = RemoteBlocks(client.manager, span.start, span.end)
-        first = await self._opinion(tiers, blocks, span, inputs, prompts, t)
+        first = await self._opinion(tiers, blocks, span, inputs, prompts, output.shape[1])
         if first is None:
             return  # every candidate failed to answer (each counted against itself)
-        checker, reference = first
+        await self.settle(span, inputs, output, prompts, first_output, *first)
+
+    async def settle(self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int,
+                     checker: CheckPlan, reference: Tensor, reference_widen: float = 0.0) -> None:
+        """Compare the suspect's `output` (its last t positions for `inputs`, B, end, H from position 0) with the
+        checker's opinion `reference`; on a mismatch ask further opinions, then the referee, and distrust whoever
+        they prove wrong (the module doc). `reference_widen`: what the checker's opinion lost on the wire."""
+        client, suspect, t = self.client, span.peer_id, output.shape[1]
+        suspect_info = client.info(suspect, span.start)
+        suspect_kind = kind_of(suspect_info)
+        plain = prompts is None and client.manager.config.active_adapter is None
+        blocks = RemoteBlocks(client.manager, span.start, span.end)
         err = relative_error(output, reference)
         # the suspect's output reached the session through the session's codec: its error is the client's own choice
         widen = codec_tolerance(client.manager.config.compression)
-        tol = opinion_tolerance(suspect_kind, checker.kind) + widen
+        tol = opinion_tolerance(suspect_kind, checker.kind) + widen + reference_widen
         if err <= tol:
             client.reputation.passed(suspect)
             client.reputation.passed(checker.peer_id)
             client.save()
-            logger.debug(
-                "spot check %s vs %s on %d:%d: %.2e <= %.2e",
-                suspect[-6:],
-                checker.peer_id[-6:],
-                span.start,
-                span.end,
-                err,
-                tol,
-            )
+            logger.debug("spot check %s vs %s on %d:%d: %.2e <= %.2e", suspect[-6:], checker.peer_id[-6:], span.start,
+                         span.end, err, tol)
             return
-        logger.warning(
-            "spot check mismatch on blocks %d:%d: peer=%s vs checker=%s relative error %.3e > %.1e; "
-            "asking for another opinion",
-            span.start,
-            span.end,
-            suspect,
-            checker.peer_id,
-            err,
-            tol,
-        )
+        logger.warning("spot check mismatch on blocks %d:%d: peer=%s vs checker=%s relative error %.3e > %.1e; "
+                       "asking for another opinion", span.start, span.end, suspect, checker.peer_id, err, tol)
         verdict: Verdict = "dispute"
         thirds = plan_checkers(suspect_info, client.holders(span, {suspect, checker.peer_id}), emulation=plain)
         while verdict == "dispute" and thirds:
@@ -294,7 +291,7 @@ class SessionChecks:
                 relative_error(output, tie),
                 opinion_tolerance(suspect_kind, third.kind) + widen,
                 relative_error(reference, tie),
-                opinion_tolerance(checker.kind, third.kind),
+                opinion_tolerance(checker.kind, third.kind) + reference_widen,
             )
             logger.warning("third opinion from peer=%s: %s", third.peer_id, verdict)
             if verdict in ("ban_checker", "ban_suspect"):
@@ -313,7 +310,7 @@ class SessionChecks:
                     relative_error(output, truth),
                     kind_tolerance(kind) + widen,
                     relative_error(reference, truth),
-                    opinion_tolerance(checker.kind, kind),
+                    opinion_tolerance(checker.kind, kind) + reference_widen,
                 )
                 logger.warning("the client computed blocks %d:%d itself: %s", span.start, span.end, verdict)
         if verdict == "dispute":

@@ -1,0 +1,125 @@
+"""client.chain.standby in process: real servers' handlers over in-memory streams (inprocess_swarm), the real chain.
+
+With standby=1 every span gets a second server of its blocks, fed every accepted input off the critical path. A
+crashed primary is replaced by its standby, promoted with no history replayed, and the outputs stay exact; a span
+nobody else holds runs without one (counted); a standby whose answers differ from its primary's starts a dispute
+of the spot checks instead of convicting anyone; closing the session frees every standby's cache (the fixture).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corolla.client.chain import failover
+from corolla.client.event_loop import run_sync
+from corolla.server.rpc.faults import FaultInjector
+from inprocess_swarm import InProcessSwarm
+
+H = 64  # the tiny Llama's hidden size
+
+
+def inputs(t: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(1, t, H, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def swarm(tiny_llama_path):
+    swarm = InProcessSwarm(tiny_llama_path, [(0, 2), (2, 4), (2, 4)])
+    try:
+        yield swarm
+        assert swarm.caches_free(), "a session's (or a standby's) cache was not freed"
+    finally:
+        swarm.close()
+
+
+def standby_peers(session) -> dict[tuple[int, int], str | None]:
+    """(start, end) of each primary span -> the peer of its standby (None while it is being found)."""
+    standbys = session.chain.standbys
+    return {(p.span.start, p.span.end): s.peer_id for p, s in standbys.by_primary.items()}
+
+
+def wait_for_standbys(session) -> None:
+    """Until every standby is opened and has answered everything it was fed (bounded: 5 s)."""
+    async def idle() -> None:
+        import asyncio
+
+        for standby in list(session.chain.standbys.by_primary.values()):
+            await asyncio.wait_for(standby.idle.wait(), 5.0)
+
+    run_sync(idle())
+
+
+@pytest.mark.parametrize("push", [True, False])
+def test_a_crashed_primary_is_replaced_by_its_standby_with_no_replay(swarm, monkeypatch, push):
+    replays = []
+    real_open_route = failover.open_route
+
+    async def spy(chain, start, end, history):
+        replays.append((start, end, None if history is None else history.shape[1]))
+        return await real_open_route(chain, start, end, history)
+
+    monkeypatch.setattr(failover, "open_route", spy)
+    chunks = [inputs(4), inputs(1, 1), inputs(1, 2), inputs(1, 3)]
+    with swarm.session(push=push, standby=1) as session:
+        out = [session.step(chunks[0]), session.step(chunks[1])]
+        wait_for_standbys(session)
+        peers = standby_peers(session)
+        assert peers == {(2, 4): next(s.peer_id for s in swarm.servers[1:] if s.peer_id != session.route[1].peer_id)}
+        assert session.standby_missing == 1  # nobody else holds 0:2
+        assert session.standby_steps == 2 and session.standby_bytes_sent == (4 + 1) * H * 4
+        swarm.crash(session.route[1].peer_id)
+        out += [session.step(chunks[2]), session.step(chunks[3])]
+        assert session.route[1].peer_id == peers[(2, 4)]
+        assert session.standby_promotions == 1 and session.standby_lost == 0
+        assert session.standby_replayed_positions == 0
+    assert replays == []  # failover opened no route and replayed nothing
+    torch.testing.assert_close(torch.cat(out, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+
+
+def test_after_a_promotion_a_new_standby_is_replayed_into_and_promoted_at_the_next_failure(tiny_llama_path):
+    """Three servers of 2:4: the promoted standby gets a standby of its own, the span's kept inputs replayed into it
+    in the background, which is promoted in turn when the second primary fails."""
+    swarm = InProcessSwarm(tiny_llama_path, [(0, 2), (2, 4), (2, 4), (2, 4)])
+    try:
+        chunks = [inputs(3), inputs(1, 1), inputs(1, 2), inputs(1, 3), inputs(1, 4)]
+        with swarm.session(standby=1) as session:
+            out = [session.step(chunks[0])]
+            wait_for_standbys(session)
+            standby = standby_peers(session)[(2, 4)]
+            swarm.crash(session.route[1].peer_id)
+            out.append(session.step(chunks[1]))  # promotes the standby; a new one gets the 3 positions held replayed
+            assert session.route[1].peer_id == standby and session.standby_promotions == 1
+            wait_for_standbys(session)
+            assert session.standby_replayed_positions == 3
+            out.append(session.step(chunks[2]))
+            swarm.crash(session.route[1].peer_id)
+            out += [session.step(chunks[3]), session.step(chunks[4])]
+            assert session.standby_promotions == 2
+        torch.testing.assert_close(torch.cat(out, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+        assert swarm.caches_free()
+    finally:
+        swarm.close()
+
+
+def test_a_standby_disagreeing_with_its_primary_starts_a_dispute_and_convicts_nobody_alone(swarm):
+    with swarm.session(standby=1) as session:
+        session.step(inputs(3))
+        wait_for_standbys(session)
+        liar = swarm.by_peer(standby_peers(session)[(2, 4)])
+        faults = FaultInjector(liar.handler.parts.compute, "corrupt", 5.0)
+        liar.handler.parts.compute = liar.handler.parts.faults = faults
+        faults.arm()
+        primary_out = session.step(inputs(1, 1))
+        wait_for_standbys(session)
+        run_sync(session.checks.drain(5.0))
+        assert session.standby_mismatches == 1
+        # two holders, no referee in process: the dispute stands, nobody is distrusted on one word
+        assert session.unverified and session.manager.distrusted == set()
+    torch.testing.assert_close(primary_out, swarm.forward(torch.cat([inputs(3), inputs(1, 1)], dim=1))[:, -1:],
+                               rtol=0, atol=1e-5)
+
+
+def test_standby_must_be_0_or_1(swarm):
+    with pytest.raises(ValueError, match="standby"):
+        swarm.session(standby=2)
