@@ -271,6 +271,7 @@ class Bench:
         liar, replica = "middle", "replica"
         for name, fault in [("push framing (corrupt pushes)", "corrupt-push"),
                             ("pushes unlike their receipts (a stall nobody is blamed for)", "misdigest-push"),
+                            ("pushes of steps the client never sent (a silent cache rewrite)", "rewrite-push"),
                             ("NaN answers", "nan")]:
             with ExitStack() as stack:
                 local = self.swarm(stack)
