@@ -163,6 +163,16 @@ class Bench:
                 self.attempt(
                     "block-key flood", lambda: loop.run(dht_attacks.flood_block_keys(peers, prefix, [0, 1], a))
                 )
+
+                async def start_newcomer() -> str:
+                    proc = await asyncio.to_thread(local.start_server, self.model, ["--blocks", "1:3", *SERVER_ARGS],
+                                                   "sybil-newcomer")
+                    return peer_id(proc)
+
+                self.attempt("sybils fill block keys", lambda: loop.run(
+                    dht_attacks.sybil_fill_block_keys(peers, prefix, [1, 2], start_newcomer, wait=2.0)))
+                self.attempt("sybils outvote a model", lambda: loop.run(
+                    dht_attacks.sybil_model_claims(peers, prefix, 4)))
                 out, *_ = self.generate(peers)
                 self.record(
                     AttackResult(
@@ -261,6 +271,7 @@ class Bench:
         liar, replica = "middle", "replica"
         for name, fault in [("push framing (corrupt pushes)", "corrupt-push"),
                             ("pushes unlike their receipts (a stall nobody is blamed for)", "misdigest-push"),
+                            ("pushes of steps the client never sent (a silent cache rewrite)", "rewrite-push"),
                             ("NaN answers", "nan")]:
             with ExitStack() as stack:
                 local = self.swarm(stack)

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from conftest import start_named_servers
+from conftest import SERVER_ARGS, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
 from corolla.cli.local_swarm import LocalSwarm
 from corolla.dht import ModelRecord, announce_blocks, create_swarm_node, model_dht_prefix
@@ -68,6 +68,29 @@ def test_a_flooded_model_index_keeps_the_monitor_refreshing_on_schedule(swarm, e
     assert not result.succeeded, result.details
     assert f"the real ones: ('{model_dht_prefix(swarm.model_path)}',)" in result.details, result.details
     assert " 0 fake model(s) shown" in result.details  # each claims 4096 blocks: more than a refresh reads
+
+
+def test_256_sybils_filling_block_keys_first_cannot_keep_a_new_server_out(swarm):
+    """Attack 3: one peer stores 256 fresh identities' valid server records under blocks 1 and 2 on every storing node;
+    a server of 1:3 started afterwards is found under both within one announce period (5 s here) of being ready."""
+    def start() -> str:
+        proc = swarm.local.start_server(swarm.model_path, ["--blocks", "1:3", *SERVER_ARGS], name="sybil-newcomer")
+        return proc.peer_id
+
+    async def start_server() -> str:
+        return await asyncio.to_thread(start)
+
+    result = asyncio.run(dht_attacks.sybil_fill_block_keys(swarm.peers, model_dht_prefix(swarm.model_path), [1, 2],
+                                                           start_server, wait=5.0))
+    assert not result.succeeded, result.details
+    assert "0 accepted by peers" in result.details, result.details
+
+
+def test_255_sybils_claiming_a_real_models_prefix_cannot_hide_it_from_the_monitor(swarm):
+    """Attack 4: 255 fresh identities' index entries claim the real model's prefix with 4,096 blocks."""
+    result = asyncio.run(dht_attacks.sybil_model_claims(swarm.peers, model_dht_prefix(swarm.model_path), 4))
+    assert not result.succeeded, result.details
+    assert "0 accepted by peers" in result.details and "4 blocks, healthy=True" in result.details, result.details
 
 
 def test_block_keys_full_of_the_largest_records_cannot_hide_a_server(swarm):

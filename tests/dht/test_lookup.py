@@ -11,7 +11,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.dht.lookup import _bounded_dictionary, _records_in
-from corolla.dht.record_storage import MAX_SUBKEYS_PER_KEY
+from corolla.dht.lookup import MAX_ANSWER_RECORDS
 
 
 class CountingValidator:
@@ -32,16 +32,16 @@ def answer(records: int) -> bytes:
 
 def test_the_records_of_an_answer_are_counted_from_its_headers():
     assert [_records_in(answer(n)) for n in (0, 3, 300)] == [0, 3, 300]
-    assert _records_in(b"garbage") > MAX_SUBKEYS_PER_KEY
-    assert _records_in(MSGPackSerializer.dumps([1, 2, 3])) > MAX_SUBKEYS_PER_KEY
+    assert _records_in(b"garbage") > MAX_ANSWER_RECORDS
+    assert _records_in(MSGPackSerializer.dumps([1, 2, 3])) > MAX_ANSWER_RECORDS
 
 
 def test_an_answer_over_the_bound_is_dropped_before_any_record_is_checked():
     validator = CountingValidator()
     dht = SimpleNamespace(protocol=SimpleNamespace(record_validator=validator))
     key = DHTID.generate(source="m.0")
-    assert _bounded_dictionary(dht, key, answer(MAX_SUBKEYS_PER_KEY + 1), "peer") is None
+    assert _bounded_dictionary(dht, key, answer(MAX_ANSWER_RECORDS + 1), "peer") is None
     assert validator.calls == 0
-    kept = _bounded_dictionary(dht, key, answer(MAX_SUBKEYS_PER_KEY), "peer")
-    assert isinstance(kept, DictionaryDHTValue) and len(kept) == MAX_SUBKEYS_PER_KEY
-    assert validator.calls == MAX_SUBKEYS_PER_KEY
+    kept = _bounded_dictionary(dht, key, answer(MAX_ANSWER_RECORDS), "peer")
+    assert isinstance(kept, DictionaryDHTValue) and len(kept) == MAX_ANSWER_RECORDS
+    assert validator.calls == MAX_ANSWER_RECORDS

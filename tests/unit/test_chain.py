@@ -185,3 +185,29 @@ def test_a_pusher_whose_pushes_are_not_what_it_signs_costs_a_relay_not_a_stall_a
     assert liar.peer_id in manager.banned() and manager.distrusted == set()
     assert receivers[1] not in manager.banned()
     assert liar.peer_id not in manager.banned(unreachable_only=True)  # still used where nobody else holds 0:2
+
+
+def test_an_upstream_server_that_pushes_a_step_the_client_never_sent_is_convicted_by_its_own_receipt(tiny_llama_path):
+    """Attack 2, the newer-id form: the first server, once the session runs, pushes each output on as the next step id
+    (one the client never sent), corrupted, under its own valid receipt. The receiver runs it (a newer id is how a
+    pushed step advances) and answers it; the client, handed an answer to a step it never sent with the pusher's
+    signed receipt, convicts the pusher, replaces it and rebuilds the receiver's cache: exact outputs, the honest
+    receiver never blamed."""
+    swarm = InProcessSwarm(tiny_llama_path, [(0, 2), (0, 2), (2, 4)])
+    try:
+        manager = swarm.manager(request_timeout=600.0)  # a stall would take the whole test's time
+        chunks = [inputs(4), inputs(1, 1), inputs(1, 2), inputs(1, 3)]
+        with swarm.session(manager=manager) as session:
+            outs = [session.step(chunks[0])]
+            liar, receiver = (swarm.by_peer(span.peer_id) for span in session.route)
+            liar.handler.parts.faults = FaultInjector(None, "rewrite-push", 5.0)
+            liar.handler.parts.faults.arm()
+            outs += [session.step(chunk) for chunk in chunks[1:]]
+            assert [span.peer_id for span in session.route][1:] == [receiver.peer_id]
+            assert session.route[0].peer_id != liar.peer_id
+        torch.testing.assert_close(torch.cat(outs, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+        assert manager.distrusted == {liar.peer_id}
+        assert receiver.peer_id not in manager.banned()
+        assert swarm.caches_free() and swarm.push_frames_held() == {}
+    finally:
+        swarm.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.client.chain.push_audit import answer_problem, judge_receipt
+from corolla.client.chain.push_audit import answer_problem, judge_receipt, judge_unsent
 from corolla.client.chain.push_route import RouteHop, can_push, links_to_fix, wanted_links
 from corolla.protocol.messages import PushSource, PushTarget
 from corolla.protocol.receipts import sign_receipt, tensor_digest
@@ -158,3 +158,15 @@ def test_an_answer_of_the_last_positions_only_is_checked_against_those_positions
     assert answer_problem(x[:, -1:] * 2, x, answer=1) is None
     assert "shape" in answer_problem(x * 2, x, answer=1)
     assert answer_problem(x[:, :0], x, answer=0) is None
+
+
+def test_an_answer_to_a_step_the_client_never_sent_convicts_the_pusher_only_by_its_own_receipt_of_that_step():
+    key = PeerKey.generate()
+    digest = tensor_digest(torch.randn(1, 13, 8), None)
+    rewrite = sign_receipt(key, "B", SECRETS["A"], 10, 0, None, True, digest)  # step 10: the client's last was 9
+    common = dict(pusher=key.peer_id, receiver="B", secret=SECRETS["A"], step_id=10, expected=9)
+    assert judge_unsent(rewrite, **common).who == "pusher"
+    assert judge_unsent(None, **common).who == "receiver"  # no proof: the receiver answered a step nobody sent
+    assert judge_unsent(rewrite, **{**common, "step_id": 11}).who == "receiver"  # another step's receipt
+    assert judge_unsent(rewrite, **{**common, "secret": SECRETS["B"]}).who == "receiver"  # not over this link
+    assert judge_unsent(rewrite, **{**common, "pusher": "someone-else"}).who == "receiver"

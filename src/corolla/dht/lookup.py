@@ -11,12 +11,18 @@ node's storage, its cache and every answer, each answer validated by the node's 
 (dht.signed_records) before it is merged. Records that expired, or expire further ahead than any honest node
 stores, are dropped one by one (never a whole answer).
 
-What one answer can cost is bounded: an answer holding more records under a key than an honest node keeps
-(record_storage.MAX_SUBKEYS_PER_KEY), or more bytes than those can take, is dropped before anything in it is
-decoded or any signature checked, so a peer answering with 10,000 records costs a reader no more than one with 256.
+What one answer can cost is bounded: an answer holding more records under a key than an honest node answers with
+(MAX_ANSWER_RECORDS: dht.admission.ANSWER_RECORDS, or 256 from nodes of earlier versions), or more bytes than those
+can take, is dropped before anything in it is decoded or any signature checked, so a peer answering with 10,000
+records costs a reader no more than one with 256.
+
+Each record comes with its *support* (`lookup_supported`): how many of the sources asked (this node's storage, each
+answering node) hold it. A writer's own record is stored on every node near the key; records that only a hostile node
+answers with (it keeps whatever it likes) have a support of one, so readers that must choose among too many records
+keep the well supported ones (dht.records, dht.model_index).
 Each request names at most `keys_per_call` keys (a few: fewer round trips); when a peer does not answer such a
 request, the keys are asked again one per request, whose answer stays below hivemind's limit on a unary answer
-(2 MiB) even when the key is full (MAX_SUBKEYS_PER_KEY records of signed_records.MAX_RECORD_BYTES each: ~1 MiB),
+(2 MiB) even when the key is full (MAX_ANSWER_RECORDS records of signed_records.MAX_RECORD_BYTES each: ~1 MiB),
 so keys flooded with large records cannot hide the others (they cost the reader one RPC timeout).
 """
 
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, NamedTuple, Sequence
 
 import msgpack
 from hivemind.dht.node import DHTNode
@@ -37,15 +43,25 @@ from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.dht.record_storage import MAX_CLOCK_SKEW, MAX_RECORD_AHEAD, MAX_SUBKEYS_PER_KEY
+from corolla.dht.admission import ANSWER_RECORDS
+from corolla.dht.record_storage import MAX_CLOCK_SKEW, MAX_RECORD_AHEAD
 from corolla.dht.signed_records import MAX_RECORD_BYTES
 
 logger = logging.getLogger(__name__)
 
 KEYS_PER_CALL = 4  # keys named in one find request (see the module docstring)
-MAX_ANSWER_BYTES = MAX_SUBKEYS_PER_KEY * (MAX_RECORD_BYTES + 256)  # one key's records in an answer, serialized
+MAX_ANSWER_RECORDS = max(ANSWER_RECORDS, 256)  # records under one key in one answer (older nodes answered 256)
+MAX_ANSWER_BYTES = MAX_ANSWER_RECORDS * (MAX_RECORD_BYTES + 256)  # one key's records in an answer, serialized
 
 Records = dict[str, tuple[Any, float]]  # subkey (a writer's peer id) -> (value, expiration time)
+
+
+class Found(NamedTuple):
+    """One record as a lookup found it."""
+
+    value: Any  # as its writer stored it
+    expiration: float
+    support: int  # sources (this node's storage and cache count one, each answering node one) that hold it
 
 
 async def lookup(dht: DHTNode, keys: Sequence[str], keys_per_call: int = KEYS_PER_CALL) -> dict[str, Records]:
@@ -53,19 +69,29 @@ async def lookup(dht: DHTNode, keys: Sequence[str], keys_per_call: int = KEYS_PE
     this node's storage and cache and every DHT node the search reaches (see the module docstring). Keys nobody
     holds map to {}. Never raises for a peer's failure (that peer's answer is missing); records that do not
     deserialize are dropped."""
+    found = await lookup_supported(dht, keys, keys_per_call)
+    return {key: {subkey: (item.value, item.expiration) for subkey, item in records.items()}
+            for key, records in found.items()}
+
+
+async def lookup_supported(dht: DHTNode, keys: Sequence[str], keys_per_call: int = KEYS_PER_CALL
+                           ) -> dict[str, dict[str, Found]]:
+    """`lookup`, with each record's support (see the module docstring)."""
     key_ids = {DHTID.generate(source=key): key for key in keys}
-    merged: dict[DHTID, dict[Any, tuple[bytes, float]]] = {key_id: {} for key_id in key_ids}
+    merged: dict[DHTID, dict[Any, list]] = {key_id: {} for key_id in key_ids}
     for key_id in key_ids:
+        local: dict[Any, list] = {}
         for source in (dht.protocol.storage, dht.protocol.cache):
-            found = source.get(key_id)
-            if found is not None:
-                _merge(merged[key_id], found.value)
+            held = source.get(key_id)
+            if held is not None:
+                _merge(local, held.value)
+        _merge_counted(merged[key_id], local)
     if key_ids:
         await _traverse(dht, list(key_ids), merged, keys_per_call)
     return {key: _decode(dht, key_id, merged[key_id]) for key_id, key in key_ids.items()}
 
 
-async def _traverse(dht: DHTNode, key_ids: list[DHTID], merged: dict[DHTID, dict[Any, tuple[bytes, float]]],
+async def _traverse(dht: DHTNode, key_ids: list[DHTID], merged: dict[DHTID, dict[Any, list]],
                     keys_per_call: int) -> None:
     node_to_peer: dict[DHTID, PeerID] = {}
     for key_id in key_ids:
@@ -90,7 +116,9 @@ async def _traverse(dht: DHTNode, key_ids: list[DHTID], merged: dict[DHTID, dict
             nearest = {n: p for n, p in nearest.items() if p not in dht.blacklist}
             node_to_peer.update(nearest)
             if found is not None and key_id in merged:
-                _merge(merged[key_id], found)
+                answer: dict[Any, list] = {}
+                _merge(answer, found)
+                _merge_counted(merged[key_id], answer)
             output[key_id] = tuple(nearest), False  # never stop early: every node near the key is asked
         return output
 
@@ -132,7 +160,7 @@ async def _call_find(dht: DHTNode, peer: PeerID, key_ids: list[DHTID]
 def _bounded_dictionary(dht: DHTNode, key_id: DHTID, raw: bytes, peer: PeerID) -> DictionaryDHTValue | None:
     """The records of an answer's dictionary, when it holds no more than an honest node keeps and every record
     validates; None otherwise (the whole answer for that key is dropped, as hivemind drops it)."""
-    if len(raw) > MAX_ANSWER_BYTES or _records_in(raw) > MAX_SUBKEYS_PER_KEY:
+    if len(raw) > MAX_ANSWER_BYTES or _records_in(raw) > MAX_ANSWER_RECORDS:
         logger.debug("dropping an answer from %s holding more records than an honest node keeps", peer)
         return None
     try:
@@ -158,16 +186,17 @@ def _records_in(raw: bytes) -> int:
         unpacker = msgpack.Unpacker(raw=True)
         unpacker.feed(ext)
         if unpacker.read_array_header() != 3:  # [maxsize, latest expiration, items]
-            return MAX_SUBKEYS_PER_KEY + 1
+            return MAX_ANSWER_RECORDS + 1
         unpacker.skip()
         unpacker.skip()
         return unpacker.read_array_header()
     except Exception:
-        return MAX_SUBKEYS_PER_KEY + 1
+        return MAX_ANSWER_RECORDS + 1
 
 
-def _merge(into: dict[Any, tuple[bytes, float]], value: object) -> None:
-    """Add a (validated) dictionary's records, keeping the latest expiration per subkey; anything else is ignored."""
+def _merge(into: dict[Any, list], value: object) -> None:
+    """Add a (validated) dictionary's records, keeping the latest expiration per subkey; anything else is ignored.
+    `into`: subkey -> [data, expiration, support]."""
     if not isinstance(value, DictionaryDHTValue):
         return
     with value.freeze():  # read every record as sent; expiry is judged in _decode, by our clock
@@ -175,21 +204,34 @@ def _merge(into: dict[Any, tuple[bytes, float]], value: object) -> None:
             held = into.get(subkey)
             if isinstance(data, bytes) and isinstance(expiration, (int, float)) and (
                     held is None or expiration > held[1]):
-                into[subkey] = (data, float(expiration))
+                into[subkey] = [data, float(expiration), 1]
 
 
-def _decode(dht: DHTNode, key_id: DHTID, records: dict[Any, tuple[bytes, float]]) -> Records:
+def _merge_counted(into: dict[Any, list], source: dict[Any, list]) -> None:
+    """Add one source's records (from `_merge`) to what the lookup found: the latest version of each, and one more
+    source holding it."""
+    for subkey, (data, expiration, _) in source.items():
+        held = into.get(subkey)
+        if held is None:
+            into[subkey] = [data, expiration, 1]
+            continue
+        held[2] += 1
+        if expiration > held[1]:
+            held[0], held[1] = data, expiration
+
+
+def _decode(dht: DHTNode, key_id: DHTID, records: dict[Any, list]) -> dict[str, Found]:
     now = get_dht_time()
     validator = dht.protocol.record_validator
-    out: Records = {}
-    for subkey, (data, expiration) in records.items():
+    out: dict[str, Found] = {}
+    for subkey, (data, expiration, support) in records.items():
         if not isinstance(subkey, str) or not now <= expiration <= now + MAX_RECORD_AHEAD + MAX_CLOCK_SKEW:
             continue
         if validator is not None:
             record = DHTRecord(key_id.to_bytes(), MSGPackSerializer.dumps(subkey), data, expiration)
             data = validator.strip_value(record)
         try:
-            out[subkey] = (MSGPackSerializer.loads(data), expiration)
+            out[subkey] = Found(MSGPackSerializer.loads(data), expiration, support)
         except Exception as e:  # msgpack raises assorted types for garbage
             logger.debug("dropping an undecodable record under subkey %s: %r", subkey, e)
     return out

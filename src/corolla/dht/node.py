@@ -17,7 +17,8 @@ How a node meets the network (all off the defaults' path to the internet: no IPF
 
 Every node, whatever its role, holds DHT records by corolla's rules: records signed by and bound to their writer's
 peer id (dht.signed_records, as hivemind's record validator), kept by dht.record_storage (no plain values, bounded
-expirations, replays never cut a newer record short, a bounded number of writers per key), read by dht.lookup.
+expirations, replays never cut a newer record short, only records their own writers send, a bounded number of writers
+per key admitted and answered by rank: dht.admission, dht.verifier), read by dht.lookup.
 """
 
 from __future__ import annotations
@@ -29,12 +30,17 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.dht.identity import ephemeral_identity, load_or_create_identity
 from corolla.dht.maddrs import circuit_maddrs, dialable, peer_id_of, to_daemon_bytes
-from corolla.dht.record_storage import CACHE_KEYS, RecordStorage, adopt
+from corolla.dht.admission import ANSWER_RECORDS
+from corolla.dht.info import ask_info
+from corolla.dht.record_storage import (ANSWERING, CACHE_KEYS, MAX_SUBKEYS_PER_KEY, STORE_SENDER, RecordStorage,
+                                        adopt)
+from corolla.dht.verifier import CHECK_TIMEOUT, RecordVerifier
 from corolla.dht.signed_records import SignedRecordValidator
 from corolla.dht.watch import SwarmWatch
 from corolla.membership import MembershipGate, SwarmKey, SwarmKeyAuthorizer, serve_proofs
@@ -55,6 +61,7 @@ class SwarmNode:
     relays: tuple[str, ...] = ()  # relays this node reserved a slot at (it is reachable only through them)
     gate: MembershipGate | None = None  # set in a private swarm
     watch: SwarmWatch | None = None
+    verifier: RecordVerifier | None = None  # this node's checks of the writers of records it stores (dht.verifier)
     _watch_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -191,11 +198,12 @@ async def create_swarm_node(
                 "from here, or the swarm is private and "
                 f"{'our swarm key differs' if swarm_key else 'we have no swarm key'}"
             ) from e
-        install_record_storage(dht)
+        verifier = install_record_storage(dht)
     except BaseException:
         await p2p.shutdown()
         raise
-    node = SwarmNode(p2p=p2p, dht=dht, key=key, initial_peers=tuple(peers), relays=tuple(relays), gate=gate)
+    node = SwarmNode(p2p=p2p, dht=dht, key=key, initial_peers=tuple(peers), relays=tuple(relays), gate=gate,
+                     verifier=verifier)
     logger.debug(
         "dht node started peer_id=%s client_mode=%s private=%s relays=%d",
         node.peer_id,
@@ -206,13 +214,54 @@ async def create_swarm_node(
     return node
 
 
-def install_record_storage(dht: DHTNode) -> None:
-    """Make `dht` keep records by corolla's rules (dht.record_storage), keeping what peers stored meanwhile."""
+def install_record_storage(dht: DHTNode, max_subkeys: int = MAX_SUBKEYS_PER_KEY,
+                           answer_records: int = ANSWER_RECORDS) -> RecordVerifier:
+    """Make `dht` keep and answer records by corolla's rules (dht.record_storage), keeping what peers stored meanwhile:
+    its storage and cache replaced, its writers checked (dht.verifier, returned), and its store and find handlers
+    wrapped so that the storage knows who sent a store and when it answers a lookup. `max_subkeys` and
+    `answer_records` are the node's bounds per key (smaller in tests)."""
     protocol = dht.protocol
-    storage, cache = RecordStorage(), RecordStorage(maxsize=CACHE_KEYS)
+    verifier = RecordVerifier(lambda peer: ask_info(protocol.p2p, peer, CHECK_TIMEOUT), protocol.p2p.peer_id.to_base58())
+    storage = RecordStorage(max_subkeys=max_subkeys, ranks=verifier, answer_records=answer_records)
+    cache = RecordStorage(maxsize=CACHE_KEYS, max_subkeys=max_subkeys, cache=True)
     adopt(protocol.storage, storage)
     adopt(protocol.cache, cache)
     protocol.storage, protocol.cache = storage, cache
+    if protocol.client_mode:
+        return verifier  # a client-mode node serves no DHT RPCs: nobody stores at it or asks it
+    handlers = protocol.p2p._client.control.unary_handlers  # hivemind 1.1: proto name -> (bytes, PeerID) -> bytes
+    for method, bind in (("rpc_store", _with_sender), ("rpc_find", _answering)):
+        name = DHTProtocol._get_handle_name(None, method)
+        if name not in handlers:
+            raise RuntimeError(f"hivemind's DHT registers no {name} handler: its record rules cannot be installed")
+        handlers[name] = bind(handlers[name])
+    return verifier
+
+
+def _with_sender(handler):
+    """A unary store handler run knowing which peer sent the request (record_storage.STORE_SENDER)."""
+
+    async def store(request: bytes, remote_id: PeerID) -> bytes:
+        token = STORE_SENDER.set(remote_id.to_base58())
+        try:
+            return await handler(request, remote_id)
+        finally:
+            STORE_SENDER.reset(token)
+
+    return store
+
+
+def _answering(handler):
+    """A unary find handler run as an answer to a lookup (record_storage.ANSWERING)."""
+
+    async def find(request: bytes, remote_id: PeerID) -> bytes:
+        token = ANSWERING.set(True)
+        try:
+            return await handler(request, remote_id)
+        finally:
+            ANSWERING.reset(token)
+
+    return find
 
 
 def _full_maddrs(maddrs: Sequence[str], what: str) -> list[str]:

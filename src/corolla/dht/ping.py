@@ -9,17 +9,11 @@ round trip a server announces and one a client measured are comparable when a ro
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Sequence
 
-from hivemind.p2p import PeerID
-
+from corolla.dht.info import ask_info
 from corolla.dht.node import SwarmNode
-from corolla.protocol import rpc_handler_name
-from corolla.protocol.errors import PeerUnavailable, PeerUnreachable, ProtocolError
-from corolla.protocol.framing import read_frame, write_frame
-from corolla.protocol.messages import InfoReply, InfoRequest
 
 RTT_SMOOTHING = 0.5  # weight of a new round-trip sample in the running average
 
@@ -40,23 +34,5 @@ async def ping(node: SwarmNode, peer_id: str, maddrs: Sequence[str] = (), *, con
     if maddrs:  # dial where the server says it is (e.g. through its relay); no-op when already connected
         await node.connect(peer_id, maddrs, timeout=connect_timeout)
     begin = time.perf_counter()
-    try:
-        _, reader, writer = await asyncio.wait_for(
-            node.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), rpc_handler_name("info")), timeout)
-    except Exception as e:  # a timeout, or p2pd's assorted exception types for a peer it cannot reach
-        raise PeerUnreachable(f"could not open a stream to {peer_id}: {e!r}") from e
-    try:
-        await write_frame(writer, InfoRequest())
-        left = max(0.0, timeout - (time.perf_counter() - begin))
-        reply, _ = await asyncio.wait_for(read_frame(reader), left)
-    except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError, RuntimeError,
-            ProtocolError) as e:
-        raise PeerUnavailable(f"{peer_id} did not answer a ping: {e!r}") from e
-    finally:
-        try:
-            writer.close()
-        except (ConnectionError, RuntimeError, OSError):
-            pass
-    if not isinstance(reply, InfoReply):
-        raise PeerUnavailable(f"{peer_id} answered a ping with {reply.kind}")
+    await ask_info(node.p2p, peer_id, timeout)
     return time.perf_counter() - begin

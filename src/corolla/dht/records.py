@@ -2,7 +2,10 @@
 
 Records are signed by their server and bound to its peer id (dht.signed_records): a node can announce only itself.
 Readers keep at most MAX_SERVERS_PER_BLOCK records per block, so a flood of records under fresh peer ids costs a
-reader a bounded amount of work (the storing nodes bound a key's writers too: dht.record_storage).
+reader a bounded amount of work (the storing nodes bound a key's writers and what they answer with too:
+dht.record_storage, dht.admission); over that many, the peers the caller prefers first, then the best supported
+(held by the most nodes asked: a writer's own record is stored on every node near the key, a hostile node's fakes
+only there, dht.lookup), then in an order drawn once per process.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
-from corolla.dht.lookup import lookup
+from corolla.dht.lookup import lookup_supported
 from corolla.dht.model_index import MODEL_INDEX_KEY, IndexEntry, ModelRecord
-from corolla.dht.record_storage import MAX_RECORD_LIFETIME, MAX_SUBKEYS_PER_KEY
+from corolla.dht.record_storage import MAX_RECORD_LIFETIME
 from corolla.protocol.messages import ServerInfo
 
 logger = logging.getLogger(__name__)
 
-MAX_SERVERS_PER_BLOCK = MAX_SUBKEYS_PER_KEY  # records a reader keeps per block (the peers it prefers first)
+MAX_SERVERS_PER_BLOCK = 256  # records a reader keeps per block (see the module doc for which)
 
 
 _SALT = secrets.token_bytes(16)  # this process's draw of which records to keep when a block holds too many
@@ -77,20 +80,21 @@ async def fetch_block_servers(
 ) -> list[dict[str, ServerInfo]]:
     """For each block, the servers that announced it (peer id -> ServerInfo), read fresh from the DHT (dht.lookup),
     dropping malformed records. Over `max_servers` records under one block, the peers in `prefer` (e.g. the ones
-    that answered before) are kept first, then the others in an order drawn once per process (peer ids or
-    expirations chosen by a writer cannot put it first)."""
+    that answered before) are kept first, then the best supported (see the module doc), then the others in an order
+    drawn once per process (peer ids or expirations chosen by a writer cannot put it first)."""
     keys = [block_key(prefix, b) for b in blocks]
-    found = await lookup(dht, keys) if keys else {}
+    found = await lookup_supported(dht, keys) if keys else {}
     out: list[dict[str, ServerInfo]] = []
     for key in keys:
         records = found.get(key, {})
-        kept = sorted(records, key=lambda peer: (peer not in prefer, _drawn(peer)))[:max_servers]
+        kept = sorted(records, key=lambda peer: (peer not in prefer, -records[peer].support, _drawn(peer)))
+        kept = kept[:max_servers]
         if len(records) > max_servers:
             logger.debug("key %s holds %d records; reading %d", key, len(records), max_servers)
         servers: dict[str, ServerInfo] = {}
         for peer in sorted(kept):
             try:
-                servers[peer] = ServerInfo.model_validate(records[peer][0])
+                servers[peer] = ServerInfo.model_validate(records[peer].value)
             except (ValidationError, TypeError) as e:
                 logger.debug("ignoring malformed record key=%s peer=%s error=%s", key, peer, e)
         out.append(servers)

@@ -11,6 +11,11 @@ a model that does not fit left out; no further model is started once `read_time`
 MAX_PINGS servers pinged, all at once (one ping timeout in all). Announcers that did not answer are not asked again
 for SILENT_RETRY seconds. A flood of fake index entries therefore costs one index read, some parsing and pings that
 fail at once, and a monitor keeps refreshing on schedule.
+
+A model whose index entries disagree on its block count (dht.model_index claims: fakes claiming a real model's prefix
+with 4,096 blocks) is settled by asking: CLAIM_PROBES announcers of each claim are pinged at every look (with the
+others, at once), and the claim with the most announcers answering as servers of that prefix, within its block count,
+gives the model's count (`settle_claim`); with no answer at all, the index's order decides.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import logging
 import time
 from typing import Collection, Mapping
 
-from corolla.dht import IndexedModel, SwarmNode, fetch_block_servers, fetch_models
+from corolla.dht import IndexedModel, ModelRecord, SwarmNode, fetch_block_servers, fetch_models
 from corolla.monitor.coverage import capacity, coverage_counts, format_ranges, missing_ranges, served_tokens_per_s
 from corolla.monitor.liveness import Liveness, ping_servers
 from corolla.monitor.schema import UNREACHABLE, ModelView, ServerView, SwarmState
@@ -32,6 +37,7 @@ SCAN_BLOCKS = 256  # keys read for a model whose block count nobody told us
 MAX_BLOCK_READS = 1024  # block keys read per look at the swarm, all models together
 MAX_PINGS = 256  # servers pinged per look (the ones that answered before first), and index announcers probed
 SILENT_RETRY = 60.0  # seconds before an index announcer that did not answer is probed again
+CLAIM_PROBES = 2  # announcers pinged per claim of a model whose entries disagree
 _RECORD_FIELDS = set(ServerView.model_fields) - {"state"}  # what a view copies from a server's ServerInfo
 _STATE_RANK = {ServerState.ONLINE: 0, ServerState.JOINING: 1, ServerState.OFFLINE: 2}
 
@@ -59,12 +65,13 @@ async def collect_state(
     tracker = tracker if tracker is not None else PeerTracker()
     index = await fetch_models(node.dht, prefer=tracker.live_models)
     wanted: Mapping[str, int | None] = models if models is not None else dict.fromkeys(index)
-    counts = {p: n if n is not None or p not in index else index[p].num_blocks for p, n in wanted.items()}
+    liveness = await _probe_announcers(node, index, wanted, tracker, ping_timeout)
+    counts = {p: n if n is not None or p not in index else settle_claim(p, index[p], liveness).num_blocks
+              for p, n in wanted.items()}
     priority = {prefix: len(index) - rank for rank, prefix in enumerate(index)}  # the most announced first
     num_keys = {p: n or SCAN_BLOCKS for p, n in counts.items()}
     budget = max_block_reads if models is None else sum(num_keys.values())  # models asked for are all read
     known = tracker.known_peers
-    liveness = await _probe_announcers(node, index, counts, tracker, ping_timeout)
     answered = {
         p for p in counts if p in index and any(liveness.get(a, _SILENT).reachable for a in index[p].announcers)
     }
@@ -94,19 +101,42 @@ async def collect_state(
 _SILENT = Liveness(False, error="not probed")
 
 
+def settle_claim(prefix: str, model: IndexedModel, liveness: Mapping[str, Liveness]) -> ModelRecord:
+    """The claim of `model` (see the module doc) with the most announcers that answered a ping as servers of `prefix`
+    within the claim's block count; ties (none answering included) go to the index's order. Pure."""
+
+    def answered(claim) -> int:
+        return sum(
+            1
+            for peer in claim.announcers
+            if (live := liveness.get(peer)) is not None and live.reachable and live.reply is not None
+            and live.reply.dht_prefix == prefix and live.reply.info.end_block <= claim.num_blocks
+        )
+
+    claims = model.claims or (model,)
+    best = max(range(len(claims)), key=lambda i: (answered(claims[i]), -i))
+    return ModelRecord(num_blocks=claims[best].num_blocks, model_type=claims[best].model_type)
+
+
 async def _probe_announcers(
     node: SwarmNode, index: Mapping[str, IndexedModel], wanted: Collection[str], tracker: PeerTracker, timeout: float
 ) -> dict[str, Liveness]:
     """Ping one announcer of each wanted model in the index that had no server answering at the last look (one that
-    answered before if any, else the first one not silent lately); at most MAX_PINGS, all at once."""
+    answered before if any, else the first one not silent lately), and CLAIM_PROBES announcers of each claim of a
+    model whose entries disagree; none silent lately, at most MAX_PINGS, all at once."""
     now, known = time.time(), tracker.known_peers
     silent = tracker.silent_since(now, SILENT_RETRY)
     probes = []
     for prefix in wanted:
-        if prefix in index and prefix not in tracker.live_models:
+        if prefix not in index:
+            continue
+        if prefix not in tracker.live_models:
             candidates = [a for a in index[prefix].announcers if a not in silent]
             if candidates:
                 probes.append(next((a for a in candidates if a in known), candidates[0]))
+        if len(index[prefix].claims) > 1:
+            for claim in index[prefix].claims:
+                probes.extend([a for a in claim.announcers if a not in silent][:CLAIM_PROBES])
     probes = sorted(set(probes))[:MAX_PINGS]
     liveness = await ping_servers(node.p2p, probes, timeout, max(1, len(probes))) if probes else {}
     for peer, live in liveness.items():

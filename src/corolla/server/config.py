@@ -252,11 +252,12 @@ class ServerConfig:
             "for failure and attack tests: once this process gets SIGUSR1, every inference step fails with an error "
             "(fail), has its stream dropped (drop) or never gets an answer (stall); or every output is subtly wrong, "
             "scaled by 1.01 (corrupt); or, as a hostile server: corrupts only what it pushes (corrupt-push; "
-            "misdigest-push: under a receipt of the honest output), only "
+            "misdigest-push: under a receipt of the honest output; rewrite-push: as a step the client never "
+            "sent), only "
             "what checkers ask (lie-to-checkers), answers NaN (nan), announces nf4 from the start and adds a bias "
             "(false-quant); or answers every step honestly, 0.1 s late (slow)",
-            choices=("fail", "drop", "stall", "corrupt", "corrupt-push", "misdigest-push", "lie-to-checkers", "nan",
-                     "false-quant", "slow"),
+            choices=("fail", "drop", "stall", "corrupt", "corrupt-push", "misdigest-push", "rewrite-push",
+                     "lie-to-checkers", "nan", "false-quant", "slow"),
         ),
     )
 

@@ -16,7 +16,11 @@ the swarm, and the attack reports whether it worked:
 - `flood_model_index`: fake entries in the model index (each validly signed by a fresh key, or unsigned), with a
   monitor refreshing meanwhile;
 - `flood_block_keys`: block keys filled with as many records of the largest size as honest nodes keep, each
-  validly signed by a fresh key, so that one answer for several keys exceeds what a message may hold.
+  validly signed by a fresh key, so that one answer for several keys exceeds what a message may hold;
+- `sybil_fill_block_keys`: block keys filled with valid server records of 256 fresh identities before a real server
+  starts there (it must still be found within one announce period);
+- `sybil_model_claims`: 255 fresh identities' index entries claiming a real model's prefix with 4,096 blocks (the
+  monitor must still show the real model).
 
 Each returns an AttackResult; nothing here asserts. All nodes an attack starts are shut down before it returns.
 """
@@ -27,7 +31,7 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
@@ -40,6 +44,7 @@ from corolla.dht.node import SwarmNode, create_swarm_node
 from corolla.dht.records import block_key, fetch_block_servers
 from corolla.dht.signed_records import seal
 from corolla.membership import SwarmKey
+from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.messages import ServerInfo, ServerState
 from corolla.protocol.signing import PeerKey
 from corolla.testing.results import AttackResult
@@ -330,3 +335,93 @@ async def flood_block_keys(
         f"{accepted} accepted by peers; a newcomer read them in {seconds:.1f}s; the victim is "
         f"missing from blocks {missing}",
     )
+
+
+def _sybil_records(key: str, record: object, sybils: int, expiration: float) -> tuple[list[str], list[bytes]]:
+    """`record` signed by `sybils` freshly minted keys for `key`: (their peer ids, the signed values)."""
+    key_bytes = DHTID.generate(source=key).to_bytes()
+    raw = MSGPackSerializer.dumps(record)
+    keys = [PeerKey.generate() for _ in range(sybils)]
+    return [k.peer_id for k in keys], [seal(k, key_bytes, raw, expiration) for k in keys]
+
+
+async def sybil_fill_block_keys(
+    initial_peers: Sequence[str],
+    prefix: str,
+    blocks: Sequence[int],
+    start_server: Callable[[], Awaitable[str]],
+    *,
+    swarm_key: SwarmKey | None = None,
+    sybils: int = 256,
+    wait: float = 30.0,
+) -> AttackResult:
+    """Attack 3 (sybils fill a block key): valid ONLINE server records of `blocks`, each signed by one of `sybils`
+    fresh keys, stored from one peer on every storing node; then `start_server()` starts a real server of those blocks
+    (returning its peer id), and newcomers read the blocks for up to `wait` seconds (one announce period and some). It
+    succeeds when the new server is still missing from a block then."""
+    expiration = get_dht_time() + 1800
+    fake = ServerInfo(state=ServerState.ONLINE, start_block=min(blocks), end_block=max(blocks) + 1, throughput=1e6,
+                      cache_tokens_total=1 << 20, cache_tokens_free=1 << 20, torch_dtype="float32", version="sybil",
+                      protocol_version=PROTOCOL_VERSION, max_session_length=1 << 16).model_dump(mode="json")
+    accepted = 0
+    async with hostile_node(initial_peers, swarm_key) as node:
+        for block in blocks:
+            key = block_key(prefix, block)
+            subkeys, values = _sybil_records(key, fake, sybils, expiration)
+            accepted += await store_everywhere(node, key, subkeys, values, expiration)
+        server = await start_server()
+        begin = time.monotonic()
+        missing = list(blocks)
+        while missing and time.monotonic() - begin < wait:
+            found = await read_blocks(initial_peers, prefix, blocks, swarm_key)
+            missing = [b for b, by_peer in zip(blocks, found) if not _is_online(by_peer, server)]
+            if missing:
+                await asyncio.sleep(1.0)
+    seconds = time.monotonic() - begin
+    return AttackResult(
+        "sybil_fill_block_keys",
+        bool(missing),
+        f"{sybils} sybil server records under each of {len(blocks)} block keys, {accepted} accepted by peers; a server "
+        f"started afterwards was " + (f"missing from blocks {missing} after {seconds:.1f}s" if missing else
+                                      f"found under every block {seconds:.1f}s after it was ready"),
+    )
+
+
+async def sybil_model_claims(
+    initial_peers: Sequence[str],
+    prefix: str,
+    num_blocks: int,
+    *,
+    swarm_key: SwarmKey | None = None,
+    sybils: int = 255,
+    claimed_blocks: int = 4096,
+    window: float = 3.0,
+) -> AttackResult:
+    """Attack 4 (sybils hide a real model from the monitor): `sybils` model index entries, each signed by a fresh
+    key, claiming the real model's `prefix` with `claimed_blocks` blocks, stored from one peer on every storing node;
+    then a fresh monitor refreshes for `window` seconds. It succeeds when the monitor does not show `prefix` with its
+    real `num_blocks` and every block covered."""
+    expiration = get_dht_time() + 1800
+    claim = IndexEntry(prefix=prefix, num_blocks=claimed_blocks, model_type="llama").model_dump(mode="json")
+    async with hostile_node(initial_peers, swarm_key) as node:
+        subkeys, values = _sybil_records(MODEL_INDEX_KEY, claim, sybils, expiration)
+        accepted = await store_everywhere(node, MODEL_INDEX_KEY, subkeys, values, expiration)
+        watched = await _watch_monitor(initial_peers, swarm_key, 0.5, window)
+    shown = next((m for m in watched.models if m.dht_prefix == prefix), None)
+    seen = "absent" if shown is None else f"{shown.num_blocks} blocks, healthy={shown.healthy}"
+    return AttackResult(
+        "sybil_model_claims",
+        shown is None or shown.num_blocks != num_blocks or not shown.healthy,
+        f"{sybils} entries claiming {prefix} with {claimed_blocks} blocks, {accepted} accepted by peers; the monitor "
+        f"shows it: {seen}",
+    )
+
+
+async def read_blocks(initial_peers: Sequence[str], prefix: str, blocks: Sequence[int],
+                      swarm_key: SwarmKey | None = None) -> list[dict[str, ServerInfo]]:
+    """What an honest newcomer reads under several block keys."""
+    reader = await create_swarm_node(initial_peers, client_mode=True, swarm_key=swarm_key)
+    try:
+        return await fetch_block_servers(reader.dht, prefix, list(blocks))
+    finally:
+        await reader.shutdown()

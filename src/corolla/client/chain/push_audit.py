@@ -12,6 +12,12 @@ link's secret, and A's own copy of its output (with the step's mask):
     A's valid receipt, but of other tensors or step fields               ->  A lies ("pusher"): proven by its signature
     A's valid receipt of exactly what A told the client                  ->  nobody (B computed from the right input)
 
+An answer to a step the client never sent (a newer step id than its last: `judge_unsent`) means someone rewrote the
+session: A, if B hands A's valid receipt of that step (A pushed a step nobody asked for, attack 2 of the insider round:
+an upstream operator rewriting the next server's cache), else B. Answers to older steps need no judgment: a server
+applies a pushed step only when its id is newer than the session's last (server.rpc.inference), so an older answer is
+a late one the client skips.
+
 So one server's word never convicts another: B cannot blame A without A's signature, and A cannot push one thing
 and tell the client another without signing the proof.
 """
@@ -106,3 +112,14 @@ def judge_receipt(
     if receipt.digest != digest:
         return Blame("pusher", "it pushed other tensors than the output it returned to the client (signed receipt)")
     return None
+
+
+def judge_unsent(receipt: PushReceipt | None, *, pusher: str, receiver: str, secret: str, step_id: int,
+                 expected: int) -> Blame:
+    """Whom to blame for `receiver`'s answer to step `step_id`, newer than `expected` (the last step the client sent
+    or pushed): `pusher`, when the receipt is its valid signature of that step over this link; else `receiver`."""
+    if (receipt is not None and receipt.pusher == pusher and receipt.receiver == receiver
+            and receipt.step_id == step_id and receipt_signed(receipt, secret)):
+        return Blame("pusher", f"it pushed step {step_id} into the session on {receiver}, a step the client never "
+                               f"sent (its last was {expected}): a rewrite of that server's cache, signed")
+    return Blame("receiver", f"it answered step {step_id}, which the client never sent (its last was {expected})")

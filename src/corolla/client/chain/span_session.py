@@ -17,7 +17,7 @@ import torch
 
 from corolla.client.config import ClientConfig
 from corolla.client.swarm.connection import Connection
-from corolla.client.chain.push_audit import BadAnswer, Blame, answer_problem, judge_receipt
+from corolla.client.chain.push_audit import BadAnswer, Blame, answer_problem, judge_receipt, judge_unsent
 from corolla.client.chain.push_route import RouteHop
 from corolla.client.swarm.routing import Span
 from corolla.client.swarm.sequence_manager import SequenceManager
@@ -205,7 +205,8 @@ class SpanSession:
         """The checked answer to step `step_id` (default: the last one sent or pushed, `self.step_id`), whose input
         was `step_input` (sent by us, or `pushed` by the server before: then its receipt is judged, with the step's
         `position` and `hypo_ids`; `answer`: the step asked the route's last server for only its last positions, and
-        this span answers so). Answers to older steps (pushed before a failover relayed them) are skipped.
+        this span answers so). Answers to older steps (pushed before a failover relayed them) are skipped; an answer
+        to a newer one, which the client never sent, is a rewrite of the session (push_audit.judge_unsent).
         Records nothing (see `record`).
 
         Raises BadAnswer for a malformed or dishonest answer (saying whose fault), PushFailed when the server could
@@ -219,6 +220,9 @@ class SpanSession:
                 continue
             break
         peer = self.span.peer_id
+        if isinstance(reply, (StepResult, PushRefused)) and reply.step_id > expected and pushed is not None:
+            raise BadAnswer(peer, judge_unsent(reply.receipt, pusher=pushed.pusher, receiver=peer,
+                                               secret=pushed.secret, step_id=reply.step_id, expected=expected))
         if not isinstance(reply, (StepResult, PushRefused)) or reply.step_id != expected:
             raise PeerUnavailable(f"server {peer} answered step {expected} with {reply.kind}")
         if pushed is not None:

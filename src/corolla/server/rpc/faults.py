@@ -20,6 +20,9 @@ The hostile modes below attack the trust model (docs/security.md) rather than fa
 - misdigest-push:  what it pushes is corrupted, under a receipt signed over the honest output it answers the client
                    with: the receiver refuses it (PushRefused DIGEST), and the pusher's word stands against the
                    receiver's (client.swarm.links). Without that, every step stalled for the request timeout.
+- rewrite-push:    pushes a corrupted copy of each output as the *next* step, one the client never sent (id + 1),
+                   signed as pushed: the receiver runs it (a newer id) and the client, handed an answer to a step it
+                   never sent with the pusher's valid receipt, convicts the pusher (client.chain.push_audit).
 - lie-to-checkers: inference steps are honest; forward passes (what spot checks call) are corrupted, to get the
                    honest servers it checks distrusted.
 - nan:             inference steps answer NaN (to the client and to the next server).
@@ -48,8 +51,8 @@ from corolla.server.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
-FAULT_MODES = ("fail", "drop", "stall", "corrupt", "corrupt-push", "misdigest-push", "lie-to-checkers", "nan",
-               "false-quant", "slow")
+FAULT_MODES = ("fail", "drop", "stall", "corrupt", "corrupt-push", "misdigest-push", "rewrite-push", "lie-to-checkers",
+               "nan", "false-quant", "slow")
 SLOW_STEP_SECONDS = 0.1
 CORRUPT_SCALE = 1.01
 FALSE_QUANT_SCALE = 1.1  # moves a span's output by ~7e-2 relative: far past float32's tolerance, inside nf4's
@@ -91,15 +94,21 @@ class FaultInjector:
         """Whether the receipt of a push signs the honest output whatever is pushed (misdigest-push)."""
         return self.armed and self.mode == "misdigest-push"
 
+    @property
+    def pushed_step_offset(self) -> int:
+        """What to add to the id of a step pushed on (rewrite-push: 1, a step the client never sent)."""
+        return 1 if self.armed and self.mode == "rewrite-push" else 0
+
     def pushed(self, output: Tensor) -> Tensor:
-        """What to push on to the next server instead of `output` (corrupt-push and misdigest-push, once armed)."""
-        if self.armed and self.mode in ("corrupt-push", "misdigest-push"):
+        """What to push on to the next server instead of `output` (corrupt-push, misdigest-push and rewrite-push,
+        once armed)."""
+        if self.armed and self.mode in ("corrupt-push", "misdigest-push", "rewrite-push"):
             logger.warning("injecting fault '%s' into a pushed step", self.mode)
             return corrupted(output)
         return output
 
     async def step(self, session: ServerSession, step: Step, plan: Plan) -> Tensor:
-        if not self.armed or self.mode in ("corrupt-push", "misdigest-push", "lie-to-checkers"):
+        if not self.armed or self.mode in ("corrupt-push", "misdigest-push", "rewrite-push", "lie-to-checkers"):
             return await self.inner.step(session, step, plan)
         if self.mode == "nan":
             logger.warning("injecting fault 'nan' into an inference step")

@@ -121,7 +121,7 @@ class InferenceRpc:
         push, tensors = outgoing_push(
             parts.key,
             target,
-            message.step_id,
+            message.step_id + (0 if parts.faults is None else parts.faults.pushed_step_offset),  # rewrite-push
             message.position,
             message.hypo_ids,
             True,
