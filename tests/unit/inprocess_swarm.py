@@ -73,7 +73,7 @@ def start_server(p2p: MemoryP2P, model_path: str, start: int, end: int, **settin
     stack, _ = load_stack(config, get_family(model_config), model_config, start, end, torch.float32, "float32",
                           torch.device("cpu"))
     key = PeerKey.generate()
-    allocator, worker = CacheAllocator(CACHE_TOKENS), ComputeWorker()
+    allocator, worker = CacheAllocator(config.cache_tokens or CACHE_TOKENS), ComputeWorker()
     server: Server
 
     def describe() -> InfoReply:

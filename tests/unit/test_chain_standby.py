@@ -123,3 +123,34 @@ def test_a_standby_disagreeing_with_its_primary_starts_a_dispute_and_convicts_no
 def test_standby_must_be_0_or_1(swarm):
     with pytest.raises(ValueError, match="standby"):
         swarm.session(standby=2)
+
+
+def test_a_server_short_of_cache_drops_a_standby_for_a_primary_and_the_session_goes_on(tiny_llama_path):
+    """Two servers of every block, each with cache for one session. Session A's standby fills the second server's
+    cache; a primary session opened there gets the room at once (the standby is dropped, told SERVER_FULL), A loses
+    its standby and goes on, exact."""
+    from corolla.client.chain.span_session import SpanSession
+    from corolla.client.chain.steps import StepIds
+    from corolla.client.config import ClientConfig
+    from corolla.client.swarm.routing import Span
+
+    swarm = InProcessSwarm(tiny_llama_path, [(0, 4), (0, 4)], cache_tokens=32)
+    try:
+        chunks = [inputs(3), inputs(1, 1), inputs(1, 2)]
+        with swarm.session(standby=1) as session:
+            out = [session.step(chunks[0])]
+            wait_for_standbys(session)
+            host = swarm.by_peer(standby_peers(session)[(0, 4)])
+            assert len(host.handler.table.standbys) == 1 and host.allocator.budget.free == 0
+            manager = swarm.manager()
+            primary = run_sync(SpanSession.open(manager, Span(host.peer_id, 0, 4), 32, 1, ClientConfig(), StepIds()))
+            try:
+                assert host.handler.table.standbys_dropped == 1 and not host.handler.table.standbys
+                out += [session.step(chunk) for chunk in chunks[1:]]
+                assert session.standby_lost == 1 and session.standby_promotions == 0
+            finally:
+                run_sync(primary.close())
+        torch.testing.assert_close(torch.cat(out, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+        assert swarm.caches_free()
+    finally:
+        swarm.close()

@@ -74,6 +74,10 @@ class SwarmCollector:
         sessions = GaugeMetricFamily(
             "corolla_swarm_server_sessions", "Inference sessions open on the server", labels=server
         )
+        standbys = GaugeMetricFamily(
+            "corolla_swarm_server_standby_sessions", "Of the sessions open on the server, standby replicas (as "
+            "announced)", labels=server
+        )
         steps = CounterMetricFamily(
             "corolla_swarm_server_decode_steps", "Session decode steps the server has served", labels=server
         )
@@ -103,6 +107,7 @@ class SwarmCollector:
                 cache_total.add_metric(labels, s.cache_tokens_total)
                 if s.active_sessions is not None:
                     sessions.add_metric(labels, s.active_sessions)
+                standbys.add_metric(labels, s.standby_sessions)
                 if s.decode_steps is not None:
                     steps.add_metric(labels, s.decode_steps)
                 info.add_metric(
@@ -122,6 +127,7 @@ class SwarmCollector:
             cache_free,
             cache_total,
             sessions,
+            standbys,
             steps,
             info,
         )

@@ -41,6 +41,8 @@ class ServerView(_View):
     rtt_ms: float | None = Field(description="round trip of that rpc_info call, from the monitor")
     reachability: Literal["direct", "relay"] | None = Field(description="how the monitor's connection reaches it")
     active_sessions: int | None
+    standby_sessions: int = Field(default=0, description="of its sessions (as announced), standby replicas: what "
+                                                         "clients' failover without a replay costs it (--standby)")
     decode_steps: int | None = Field(description="session decode steps served so far (counter)")
     uptime_s: float | None = Field(description="seconds this monitor has seen it answer without a gap")
     error: str | None = Field(description="why it is unreachable")

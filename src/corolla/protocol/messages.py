@@ -118,6 +118,7 @@ class ServerInfo(_Message):
     # (server.presence.load; 0 = none lately); all 0 in records of servers that predate them
     sessions: int = Field(default=0, ge=0, le=MAX_LOAD_SESSIONS)
     queued: int = Field(default=0, ge=0, le=MAX_LOAD_SESSIONS)
+    standby_sessions: int = Field(default=0, ge=0, le=MAX_LOAD_SESSIONS)  # of `sessions`, standby replicas
     step_seconds: float = Field(default=0.0, ge=0.0, le=MAX_STEP_SECONDS, allow_inf_nan=False)
 
     @model_validator(mode="after")
@@ -185,6 +186,9 @@ class OpenSession(_Message):
     push_from: PushSource | None = None
     push_to: PushTarget | None = None
     codec: Codec = "none"  # how the session's hidden states travel, on every hop (its steps, answers and pushes)
+    # a standby replica (client.chain.standby): the server drops it, with SERVER_FULL, before refusing a primary
+    # session cache room it holds
+    standby: bool = False
 
 
 class SetPush(_Message):

@@ -132,6 +132,7 @@ class Server:
             next_pings=self.next_hops.announced() if self.next_hops is not None else {},
             codecs=CODECS,
             sessions=min(len(self.handler.sessions), MAX_LOAD_SESSIONS) if self.handler else 0,
+            standby_sessions=min(len(self.handler.table.standbys), MAX_LOAD_SESSIONS) if self.handler else 0,
             # sessions waiting for cache room (the allocator's queue; read-only here)
             queued=min(len(self.allocator._waiters), MAX_LOAD_SESSIONS) if self.allocator else 0,
             step_seconds=min(self.load.step_seconds(), MAX_STEP_SECONDS),

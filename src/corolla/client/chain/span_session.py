@@ -100,8 +100,10 @@ class SpanSession:
         secret: str | None = None,
         source: PushSource | None = None,
         target: PushTarget | None = None,
+        standby: bool = False,
     ) -> SpanSession:
-        """Open a session on span's server with push links `source` / `target` (`secret`: the one `target` names)."""
+        """Open a session on span's server with push links `source` / `target` (`secret`: the one `target` names);
+        `standby`: as a standby replica (client.chain.standby), which the server drops first when short of cache."""
         connection = await Connection.open(manager.node.p2p, span.peer_id, "inference", config.connect_timeout)
         try:
             await connection.send(
@@ -115,6 +117,7 @@ class SpanSession:
                     push_from=source,
                     push_to=target,
                     codec=config.compression,
+                    standby=standby,
                 )
             )
             reply, _ = await connection.receive(config.connect_timeout + config.alloc_timeout)

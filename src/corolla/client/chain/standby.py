@@ -114,7 +114,7 @@ class Standby:
                 logger.info("no standby for blocks %d:%d: no other server holds them whole", span.start, span.end)
                 return
             self.session = await SpanSession.open(chain.manager, found, chain.max_length, chain.batch_size, config,
-                                                  chain.next_id, self.primary.prompts)
+                                                  chain.next_id, self.primary.prompts, standby=True)
             if replay is not None:
                 await self.session.step(replay.hidden, 0, config.request_timeout, replay.mask)
                 self.owner.stats.replayed_positions += replay.end

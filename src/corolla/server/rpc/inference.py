@@ -24,6 +24,7 @@ from corolla.protocol.framing import read_frame
 from corolla.protocol.messages import (
     CloseSession,
     ErrorCode,
+    ErrorReply,
     InferenceStep,
     OpenSession,
     PushSet,
@@ -62,8 +63,20 @@ class InferenceRpc:
                 parts.links.set_target(live, request.push_to)
                 await parts.send(writer, SessionOpened(session_id=session.id, max_length=session.max_length))
                 await self._serve_session(reader, live, frame_limit)
+            except asyncio.CancelledError:
+                if session.dropped:  # a standby dropped for a primary's room (server.rpc.sessions): say so
+                    await self._tell(writer, ErrorReply(code=ErrorCode.SERVER_FULL, message=(
+                        "standby dropped: this server needs its cache for a primary session")))
+                raise
             finally:
                 parts.links.drop(live)
+
+    async def _tell(self, writer: asyncio.StreamWriter, reply: ErrorReply) -> None:
+        """Best effort, within a second: the stream is ending anyway."""
+        try:
+            await asyncio.wait_for(self.parts.send(writer, reply), 1.0)
+        except Exception as e:  # the owner is gone or slow: nothing more to do
+            logger.debug("could not tell the owner: %r", e)
 
     async def _serve_session(self, reader: asyncio.StreamReader, live: LiveSession, frame_limit: int) -> None:
         """The owner's frames of one session until close_session: steps (pushed on to its target) and SetPush."""

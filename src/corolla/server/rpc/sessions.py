@@ -9,6 +9,11 @@ disconnect, a timeout, the server shutting down), leaving `SessionTable.open` re
 One peer may have at most `max_peer_sessions` sessions open or waiting for cache, past which a new one is refused at
 once with SERVER_FULL naming the limit (clients route around a full server, and `corolla api` gives up the sessions
 it keeps); what share of the cache one peer may hold is the allocator's (server.cache.queue).
+
+Standby replicas (OpenSession.standby, client.chain.standby) give way first: a primary session that does not fit in
+the free cache drops open standbys, the most recently opened first, until it fits (only when dropping them makes it
+fit), each told so with SERVER_FULL (`drop_standbys`; its owner opens one elsewhere or goes on without). A standby
+never drops anything.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class ServerSession:
     cache: SessionKV
     position: int = 0  # tokens the cache holds; a step may start at or before it (a rollback)
     last_step_id: int = 0  # the id of the last step run: a session's steps arrive in order (handler.run_step)
+    standby: bool = False  # a standby replica: dropped first when a primary session needs the room
+    dropped: bool = False  # it was dropped for a primary (its task is cancelled; the owner is told why)
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +76,8 @@ class SessionTable:
         self.max_peer_sessions = max_peer_sessions
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.by_peer: Counter[str] = Counter()  # sessions open or waiting for cache, per peer (only peers with some)
+        self.standbys: dict[str, tuple[ServerSession, int]] = {}  # open standby sessions -> their tokens, oldest first
+        self.standbys_dropped = 0  # standbys dropped so far to make room for primaries
 
     @asynccontextmanager
     async def open(self, request: OpenSession, peer: str, alive: Callable[[], bool] = lambda: True
@@ -102,6 +111,8 @@ class SessionTable:
         problem = self.allocator.refusal(tokens)
         if problem is not None:
             raise RequestError(ErrorCode.SERVER_FULL, f"server full: {problem}")
+        if not request.standby:
+            await self.drop_standbys(tokens)
         if not await self.allocator.reserve(session_id, tokens, timeout, peer):
             budget = self.allocator.budget
             raise RequestError(
@@ -132,17 +143,38 @@ class SessionTable:
                 blocks.start,
                 blocks.end,
             )
-            yield ServerSession(
-                session_id,
-                peer,
-                blocks.start,
-                blocks.end,
-                request.batch_size,
-                request.max_length,
-                request.active_adapter,
-                cache,
-            )
+            session = ServerSession(session_id, peer, blocks.start, blocks.end, request.batch_size,
+                                    request.max_length, request.active_adapter, cache, standby=request.standby)
+            if request.standby:
+                self.standbys[session_id] = (session, tokens)
+            yield session
         finally:
+            self.standbys.pop(session_id, None)
             self.tasks.pop(session_id, None)
             self.allocator.release(session_id)
             logger.debug("session.close id=%s free_tokens=%d", session_id, self.allocator.budget.free)
+
+    async def drop_standbys(self, tokens: int, wait: float = 2.0) -> int:
+        """Make room for a primary session of `tokens` by dropping open standbys, the most recently opened first, when
+        the free cache is short and dropping them makes it fit; waits up to `wait` seconds for their caches to be
+        released. Returns how many were dropped."""
+        free = self.allocator.budget.free
+        if tokens <= free or tokens > free + sum(held for _, held in self.standbys.values()):
+            return 0
+        chosen: list[asyncio.Task[None]] = []
+        for session_id, (session, held) in reversed(list(self.standbys.items())):
+            if free >= tokens:
+                break
+            task = self.tasks.get(session_id)
+            if task is None or task.done():
+                continue
+            session.dropped = True
+            task.cancel()
+            chosen.append(task)
+            free += held
+        if chosen:
+            self.standbys_dropped += len(chosen)
+            logger.info("dropping %d standby session(s) to make room for a primary of %d cache tokens", len(chosen),
+                        tokens)
+            await asyncio.wait(chosen, timeout=wait)
+        return len(chosen)
