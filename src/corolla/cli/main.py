@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import traceback
 
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     setup_logging(args.verbose)
+    # a log line that cannot be written (stderr gone, or left non-blocking by a child process and full) is dropped, not
+    # printed as a "--- Logging error ---" traceback in the middle of a one-line error; --debug keeps Python's report
+    logging.raiseExceptions = args.debug
     try:
         check_initial_peers(args)
         return int(args.func(args) or 0)
