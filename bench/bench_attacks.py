@@ -265,6 +265,17 @@ class Bench:
                 f"4 frames announcing 128 MiB: {answers[:120]}; server RSS {before:.0f} -> {after:.0f} MiB",
             )
         )
+        flood = loop.run(push_attacks.push_frame_flood(attacker, b, procs["b"].pid, (2, 4), hidden_size=64,
+                                                       batch_size=8, max_length=1024, streams=16, hold=6.0))
+        grown, frame_mib = flood.rss_peak - flood.rss_before, flood.frame_bytes / 2**20
+        self.record(
+            AttackResult(
+                "push frames of a session naming its own owner as pusher",
+                grown > 2 * frame_mib + 16,
+                f"16 streams each sending a {frame_mib:.1f} MiB frame (one step of the attacker's own session), never "
+                f"completed: server RSS {flood.rss_before:.0f} -> peak {flood.rss_peak:.0f} MiB",
+            )
+        )
 
     def route(self) -> None:
         three = {"first": ["--blocks", "0:1"], "middle": ["--blocks", "1:3"], "last": ["--blocks", "3:4"]}
