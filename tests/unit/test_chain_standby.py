@@ -148,6 +148,7 @@ def test_a_server_short_of_cache_drops_a_standby_for_a_primary_and_the_session_g
                 assert host.handler.table.standbys_dropped == 1 and not host.handler.table.standbys
                 out += [session.step(chunk) for chunk in chunks[1:]]
                 assert session.standby_lost == 1 and session.standby_promotions == 0
+                assert host.peer_id not in session.manager.banned()  # told SERVER_FULL: no fault of the server's
             finally:
                 run_sync(primary.close())
         torch.testing.assert_close(torch.cat(out, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)

@@ -35,6 +35,8 @@ import torch
 from corolla.client.chain.span_session import SpanSession
 from corolla.client.chain.steps import Step
 from corolla.protocol.codecs import encoded_bytes
+from corolla.protocol.errors import RemoteError
+from corolla.protocol.messages import ErrorCode
 
 if TYPE_CHECKING:
     from corolla.client.chain.chain import Chain
@@ -261,14 +263,16 @@ class Standbys:
         return session
 
     def lost(self, standby: Standby, error: Exception) -> None:
-        """A standby failed: drop it, ban its server a while, and open another while the budget allows."""
+        """A standby failed: drop it, ban its server a while (not when the server dropped it for a primary's room:
+        SERVER_FULL), and open another while the budget allows."""
         primary = standby.primary
         logger.info("standby %s of blocks %d:%d failed: %s", standby.peer_id, primary.span.start, primary.span.end,
                     error)
         self.stats.lost += 1
         self.forget(standby)
         if standby.session is not None:
-            self.chain.manager.ban(standby.session.span.peer_id)
+            if not (isinstance(error, RemoteError) and error.code == ErrorCode.SERVER_FULL):  # (dropped for room)
+                self.chain.manager.ban(standby.session.span.peer_id)
             self._later(standby.session.close())
         if self.reopen_budget > 0 and primary in (self.chain.spans or []):
             self.reopen_budget -= 1
