@@ -96,6 +96,8 @@ def goals(runs: dict[str, dict[str, dict]]) -> dict[str, object]:
     walls = [r["wall_s"] for per in runs.values() for r in per.values()]
     if walls:
         checks["wall_s_max <= 300"] = max(walls)
+        # the CPU time behind it: wall_s on a machine shared with other work also counts their time
+        checks["cpu_s_max (information)"] = max(r.get("cpu_s", 0.0) for per in runs.values() for r in per.values())
     return checks
 
 

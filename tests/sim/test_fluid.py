@@ -54,3 +54,18 @@ def test_a_faster_server_steps_faster():
     b = fast.add([(0, 4)], net=0.0, tokens=1, target=10, now=0.0)
     slow.solve(1.0), fast.solve(1.0)
     assert fast.rate[b] > slow.rate[a] and fast.per_block[0] < slow.per_block[0]
+
+
+def test_rows_left_by_stopped_sessions_are_compacted_without_changing_any_rate():
+    churned, fresh = make(servers=3), make(servers=3)
+    routes = [[(i % 3, 1 + i % 4), ((i + 1) % 3, 2)] for i in range(3000)]
+    slots = [churned.add(route, net=0.01, tokens=1, target=1e9, now=0.0) for route in routes]
+    for slot in slots[:2900]:  # most stop: the next rows appended compact the matrix
+        churned.remove(slot)
+    kept = slots[2900:] + [churned.add(route, net=0.01, tokens=1, target=1e9, now=0.0) for route in routes[:1500]]
+    assert churned.rows < 2900 + 1500  # compacted
+    reference = [fresh.add(route, net=0.01, tokens=1, target=1e9, now=0.0) for route in routes[2900:] + routes[:1500]]
+    for _ in range(5):
+        churned.solve(1.0), fresh.solve(1.0)
+    assert churned.rate[kept] == pytest.approx(fresh.rate[reference], rel=1e-12)
+    assert churned.demand[:3] == pytest.approx(fresh.demand[:3], rel=1e-12)

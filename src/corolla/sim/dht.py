@@ -12,7 +12,7 @@ addresses and five next-hop pings, plus its signed envelope and subkey).
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
@@ -52,9 +52,16 @@ class Record:
     cache_total: int
     expires: float
     inference_rate: float = 0.0  # single-token steps/s per block (what Petals' records carry besides throughput)
+    _info: ServerInfo | None = field(default=None, repr=False, compare=False)  # `info()`, built once
 
     def info(self) -> ServerInfo:
-        """The record as clients read it (validated when the server built it: the fields are in range)."""
+        """The record as clients read it (validated when the server built it: the fields are in range). A record
+        is never changed once stored (an announce stores a new one), so it is built once and shared by every read."""
+        if self._info is None:
+            self._info = self._build_info()
+        return self._info
+
+    def _build_info(self) -> ServerInfo:
         return ServerInfo.model_construct(
             state=self.state, start_block=self.start, end_block=self.end, throughput=self.throughput,
             cache_tokens_total=self.cache_total, cache_tokens_free=self.cache_free, torch_dtype="bfloat16",

@@ -20,6 +20,7 @@ after it:
     dht_bytes_per_client_read    one client's read of every block's records
     leg_failures                 spans of sessions that failed and were re-routed
     wall_s                       seconds the simulation took on this machine
+    cpu_s                        CPU seconds it took (wall_s less the time other processes had the cores)
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class Metrics:
             if uncovered == 0 and self.burst_recovered_at is None and self.burst_uncovered_max > 0:
                 self.burst_recovered_at = now
 
-    def result(self, in_flight: int, dht: Any, wall: float, events: int) -> dict[str, Any]:
+    def result(self, in_flight: int, dht: Any, wall: float, events: int, cpu: float = 0.0) -> dict[str, Any]:
         window = max(self.window, 1e-9)
         served, bound = self.tokens / window, self.bound_integral / window
         written, read = dht.bytes_written, dht.bytes_read_by_servers
@@ -142,4 +143,5 @@ class Metrics:
             "dht_bytes_per_client_read": dht.client_read_bytes(),
             "events": events,
             "wall_s": round(wall, 1),
+            "cpu_s": round(cpu, 1),
         }

@@ -257,18 +257,31 @@ def route(holders: Sequence[Sequence[_Holder]], start: int, end: int, need: int,
 
 
 class PetalsIndex:
-    """Petals' routes over one view, vectorized per block (`route` is the same rule written plainly): per block,
-    arrays of its ONLINE holders' peer index, span end, seconds per block and free cache."""
+    """Petals' routes over one view, vectorized (`route` is the same rule written plainly). Every (block, holder)
+    pair of the view is an entry of flat arrays, in block order: the holder's peer index, span end, seconds per
+    block and no-cache penalty.
+
+    A route's edges from a block all add the same cost so far, so which holder is cheapest to each stop does not
+    depend on it: one pass over the entries prices every edge and keeps, per (block, stop), the cheapest (the first
+    of equal ones, as the plain rule's stable sort does); the shortest path then walks those few edges in block
+    order. Sums are added in another order than the plain rule's (edge, then cost so far): routes can differ only
+    where two costs are equal to the last bit."""
 
     def __init__(self, holders: Sequence[Sequence[_Holder]], need: int, rtts: Mapping[str, float]):
         self.peers = sorted({h.peer for block in holders for h in block})
         number = {peer: i for i, peer in enumerate(self.peers)}
         self.rtt = np.array([min(rtts.get(peer, UNKNOWN_RTT), MAX_HOP_RTT) for peer in self.peers])
-        self.blocks = [(np.array([number[h.peer] for h in block], dtype=np.int64),
-                        np.array([h.end for h in block], dtype=np.int64),
-                        np.array([h.per_block for h in block]),
-                        np.array([NO_CACHE_PENALTY if h.free < need else 0.0 for h in block]))
-                       for block in holders]
+        entries = [(block, number[h.peer], h.end, h.per_block, NO_CACHE_PENALTY if h.free < need else 0.0)
+                   for block, held in enumerate(holders) for h in held]
+        columns = list(zip(*entries)) if entries else [(), (), (), (), ()]
+        self.block = np.array(columns[0], dtype=np.int64)
+        self.peer = np.array(columns[1], dtype=np.int64)
+        self.end = np.array(columns[2], dtype=np.int64)
+        self.per_block = np.array(columns[3], dtype=float)
+        self.penalty = np.array(columns[4], dtype=float)
+        self.first = np.searchsorted(self.block, np.arange(len(holders) + 1))  # block b: first[b]:first[b + 1]
+        self.num_blocks = len(holders)
+        self.compute = (self.end - self.block) * self.per_block  # seconds of its span, for routes to the last block
 
     def route(self, start: int, end: int, noise: np.ndarray, banned: Collection[str]) -> list[Span] | None:
         """Petals' min-latency route over [start, end) with the client's round trips rtt x noise; None when some
@@ -279,30 +292,38 @@ class PetalsIndex:
             for i, peer in enumerate(self.peers):
                 if peer in banned:
                     hop[i] = np.inf
-        best = np.full(end + 1, np.inf)
-        best[start] = 0.0
-        came = np.full((end + 1, 2), -1, dtype=np.int64)  # per boundary: (block it came from, peer index)
-        for block in range(start, end):
-            if not np.isfinite(best[block]):
-                continue
-            peers, ends, per_block, penalty = self.blocks[block]
-            if len(peers) == 0:
-                continue
-            stops = np.minimum(ends, end)
-            costs = best[block] + hop[peers] + (stops - block) * per_block + penalty
-            order = np.lexsort((costs, stops))  # by stop, cheapest first
-            firsts = np.unique(stops[order], return_index=True)[1]
-            chosen = order[firsts]
-            better = costs[chosen] < best[stops[chosen]]
-            chosen = chosen[better]
-            best[stops[chosen]] = costs[chosen]
-            came[stops[chosen], 0] = block
-            came[stops[chosen], 1] = peers[chosen]
-        if not np.isfinite(best[end]):
+        lo, hi = int(self.first[start]), int(self.first[end])
+        blocks, peers = self.block[lo:hi], self.peer[lo:hi]
+        if end == self.num_blocks:  # every span ends within the route
+            stops, compute = self.end[lo:hi], self.compute[lo:hi]
+        else:
+            stops = np.minimum(self.end[lo:hi], end)
+            compute = (stops - blocks) * self.per_block[lo:hi]
+        costs = hop[peers] + compute + self.penalty[lo:hi]
+        width = end - start + 1
+        group = (blocks - start) * width + (stops - start)  # (block, stop), block-major
+        cheapest = np.full((end - start) * width, np.inf)
+        np.minimum.at(cheapest, group, costs)
+        winner = np.full(len(cheapest), len(costs))
+        at_min = costs == cheapest[group]
+        if banned:
+            at_min &= np.isfinite(costs)
+        at_min = np.flatnonzero(at_min)
+        np.minimum.at(winner, group[at_min], at_min)
+        edges = np.flatnonzero(winner < len(costs))
+        best = [np.inf] * width
+        best[0] = 0.0
+        came: list[tuple[int, int] | None] = [None] * width  # per boundary: (block it came from, peer index)
+        for block, stop, cost, peer in zip((edges // width).tolist(), (edges % width).tolist(),
+                                           cheapest[edges].tolist(), peers[winner[edges]].tolist()):
+            total = best[block] + cost
+            if total < best[stop]:
+                best[stop], came[stop] = total, (block, peer)
+        if came[width - 1] is None:
             return None
-        spans, boundary = [], end
-        while boundary != start:
+        spans, boundary = [], width - 1
+        while boundary != 0:
             block, peer = came[boundary]
-            spans.append(Span(self.peers[peer], int(block), boundary))
-            boundary = int(block)
+            spans.append(Span(self.peers[peer], block + start, boundary + start))
+            boundary = block
         return spans[::-1]

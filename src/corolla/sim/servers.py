@@ -50,7 +50,8 @@ class SimServer:
     watch_ticks: int = 0
     cache_free: int = 0
     sessions: dict[int, int] = field(default_factory=dict)  # session id -> cache tokens it holds here
-    queue: list[CacheRequest] = field(default_factory=list)
+    queue: dict[str, CacheRequest] = field(default_factory=dict)  # request owner -> request, oldest first
+    queue_min: float = math.inf  # at most the fewest tokens a queued request asks for (a lower bound)
     waiting: dict[str, tuple[int, int]] = field(default_factory=dict)  # request owner -> (session id, leg id)
 
     @property
@@ -277,6 +278,7 @@ def _drop_sessions(w: World, server: SimServer, kind: str) -> None:
     waiting = list(server.waiting.values())
     server.waiting.clear()
     server.queue.clear()
+    server.queue_min = math.inf
     for session_id, leg in waiting:
         w.leg_failed(session_id, leg, kind)
     for session_id in list(server.sessions):
@@ -296,7 +298,8 @@ def request_cache(w: World, server: SimServer, session_id: int, leg: int, tokens
     """Queue a reservation for leg `leg` of a session; True if it was granted at once (else it waits for
     `grant`)."""
     owner = str(leg)
-    server.queue.append(CacheRequest(owner, str(session_id), tokens, w.q.now))
+    server.queue[owner] = CacheRequest(owner, str(session_id), tokens, w.q.now)
+    server.queue_min = min(server.queue_min, tokens)
     server.waiting[owner] = (session_id, leg)
     if tokens > server.cache_free:
         # exact shortcut: it cannot be granted now, and a request at the end of the queue changes no grant of the
@@ -307,26 +310,25 @@ def request_cache(w: World, server: SimServer, session_id: int, leg: int, tokens
 
 def grant(w: World, server: SimServer, answer_now: str | None = None) -> bool:
     """Grant what server.cache.queue.grants says fits; `answer_now`'s grant is returned instead of delivered."""
-    if not server.queue:
+    if not server.queue or server.cache_free < server.queue_min:
+        # exact shortcut: grants() grants a request only if it fits in the free tokens, and none is that small
         return False
+    queue = list(server.queue.values())
     # what the queued requests' peers (sessions) hold here: all grants() looks up
-    held = {r.peer: server.sessions.get(int(r.peer), 0) for r in server.queue}
+    held = {r.peer: server.sessions.get(int(r.peer), 0) for r in queue}
     limit = peer_limit(server.kind.cache_tokens, w.policy_peer_share)
-    owners = grants(server.cache_free, held, limit, server.queue, w.q.now, w.cache_patience)
+    owners = grants(server.cache_free, held, limit, queue, w.q.now, w.cache_patience)
+    requests = [server.queue.pop(owner) for owner in owners]
+    server.queue_min = min((r.tokens for r in server.queue.values()), default=math.inf)
     mine = False
-    if owners:
-        granted = set(owners)
-        by_owner = {r.owner: r for r in server.queue}
-        server.queue = [r for r in server.queue if r.owner not in granted]
-        for owner in owners:
-            request = by_owner[owner]
-            session_id, leg = server.waiting.pop(owner)
-            server.cache_free -= request.tokens
-            server.sessions[session_id] = server.sessions.get(session_id, 0) + request.tokens
-            if owner == answer_now:
-                mine = True
-            else:
-                w.leg_granted(session_id, leg)
+    for request in requests:
+        session_id, leg = server.waiting.pop(request.owner)
+        server.cache_free -= request.tokens
+        server.sessions[session_id] = server.sessions.get(session_id, 0) + request.tokens
+        if request.owner == answer_now:
+            mine = True
+        else:
+            w.leg_granted(session_id, leg)
     return mine
 
 
@@ -335,7 +337,7 @@ def withdraw(w: World, server: SimServer, session_id: int, leg: int | None) -> N
     if leg is not None:
         owner = str(leg)
         if server.waiting.pop(owner, None) is not None:
-            server.queue = [r for r in server.queue if r.owner != owner]
+            del server.queue[owner]
         return
     tokens = server.sessions.pop(session_id, 0)
     server.cache_free += tokens

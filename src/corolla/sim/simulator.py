@@ -83,6 +83,7 @@ class World:
         self._snapshot: tuple[float, Any] | None = None
         self._next_session = 0
         self._client_bans: dict[int, dict] = {}
+        self._prefill_seconds: dict[int, float] = {}  # prompt tokens -> prefill seconds per block at speed 1
         self.regions_servers = [r.servers for r in s.regions]
         self.regions_clients = [r.clients for r in s.regions]
 
@@ -165,7 +166,10 @@ class World:
         """Seconds a prefill of `tokens` tokens spends at a server over `blocks` blocks; its compute joins the
         server's prefill backlog (the fluid model's prefill share)."""
         server, f = self.servers[server_id], self.fluid
-        work = blocks * self.cost.prefill_seconds(tokens, server.kind.speed)
+        seconds = self._prefill_seconds.get(tokens)
+        if seconds is None:  # at speed 1, once per length (numpy's interpolation of one number is slow)
+            seconds = self._prefill_seconds[tokens] = self.cost.prefill_seconds(tokens)
+        work = blocks * (seconds / server.kind.speed)
         if tokens <= self.merge_max_tokens:  # one merged task at decode priority (server.compute.planner)
             f.prefill_now[server_id] += work
             return work / max(float(f.avail[server_id]), MIN_PREFILL_SHARE) + f.wait[server_id] + \
@@ -263,11 +267,12 @@ class World:
         self.q.at(s.tick, self._tick)
 
     def run(self) -> dict[str, Any]:
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         self.start()
         self.q.run_until(self.scenario.duration)
         s = self.scenario
-        result = self.metrics.result(len(self.sessions), self.dht, time.perf_counter() - begin, self.q.events)
+        result = self.metrics.result(len(self.sessions), self.dht, time.perf_counter() - begin, self.q.events,
+                                     time.process_time() - cpu)
         return {"policy": s.policy, "seed": s.seed, **result}
 
 
