@@ -15,7 +15,7 @@ from hivemind.dht.routing import DHTID
 from corolla.dht import announce_blocks, create_swarm_node, fetch_block_servers
 from corolla.dht.admission import FAILED, UNKNOWN, VERIFIED, Held, answer_order, evict_for
 from corolla.dht.record_storage import STORE_SENDER, RecordStorage
-from corolla.dht.verifier import RecordVerifier, served_keys
+from corolla.dht.verifier import CHECK_TIMEOUT, RecordVerifier, served_keys
 from corolla.protocol import PROTOCOL_VERSION, rpc_handler_name
 from corolla.protocol.framing import read_frame, write_frame
 from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
@@ -103,7 +103,7 @@ def test_the_verifier_ranks_writers_by_what_they_answer_they_serve():
         for peer in ("server", "liar", "wide", "silent"):
             verifier.request(peer)
         verifier.request("server")  # queued once
-        for _ in range(100):
+        for _ in range(1000):  # bounded: 10 s
             if verifier.checks == 4:
                 break
             await asyncio.sleep(0.01)
@@ -159,9 +159,11 @@ def test_sybils_that_filled_a_block_key_first_give_way_to_a_server_within_one_an
             announces = 0
             for announces in range(1, 4):
                 await announce_blocks(server.dht, prefix, server.peer_id, server_record(), 300)
-                await asyncio.sleep(1.0)  # the announce period of this test
                 if all(server.peer_id in storage_of(node, prefix) for node in (boot, storer)):
                     break
+                # the announce period of this test: by the next one, the writers are checked (each check is bounded
+                # by CHECK_TIMEOUT; a loaded machine may take that long to find a sybil silent)
+                await wait_checked(boot, storer, count=1 + capacity, deadline=CHECK_TIMEOUT + 10.0)
             reader = await create_swarm_node(peers, client_mode=True)
             nodes.append(reader)
             found = server.peer_id in (await fetch_block_servers(reader.dht, prefix, [0]))[0]
@@ -176,6 +178,13 @@ def test_sybils_that_filled_a_block_key_first_give_way_to_a_server_within_one_an
 
     announces, found, kept = asyncio.run(run())
     assert announces <= 2 and found and kept, (announces, found, kept)
+
+
+async def wait_checked(*nodes, count: int, deadline: float) -> None:
+    """Until each node's verifier has checked `count` writers (or `deadline` seconds passed)."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end and any(node.verifier.checks < count for node in nodes):
+        await asyncio.sleep(0.1)
 
 
 def storage_of(node, prefix: str) -> set[str]:

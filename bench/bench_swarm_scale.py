@@ -1,0 +1,762 @@
+"""A real swarm at scale, under churn: N `corolla serve` processes, 100+ DHT peers, C client sessions.
+
+Everything runs on loopback (127.0.0.1) on this one machine: real `corolla serve` and `corolla dht` processes (forked
+from one process that has imported the package already, tests/server_zygote.py, so that 48 servers do not each pay
+~3.5 s of CPU for their imports), real hivemind DHT nodes and p2pd daemons, the real protocol. It does not use
+corolla.netemu's emulated hosts (no latency between peers): on a 2-core machine the user-space switch and 48
+interpreters started inside namespaces cost more than the swarm itself (see docs/benchmarks.md).
+
+What runs:
+- 2 bootstrap peers (`corolla dht --identity ... --port ...`, so a replacement comes back at the same multiaddr);
+- N servers of a tiny random Llama (`--blocks L` layers, built here), one torch thread each; most choose their
+  blocks themselves (`--num-blocks SPAN`), a fraction (`--fixed-fraction`) serve a fixed `--blocks A:B`, spread over
+  the model; started `--start-gap` seconds apart;
+- `--dht-peers` plain DHT nodes (each its own p2pd) in one helper process, to reach 100+ DHT peers in all;
+- C client sessions (`--clients`) in `--client-procs` processes, a thread per session, each with its own
+  distributed model (its own DHT node): one greedy generation after another, each compared with the local HF
+  model's greedy output for the same prompt;
+- churn for `--duration` seconds: every `--churn-period` seconds a server is SIGKILLed (its whole process group,
+  p2pd included), SIGTERMed (a clean stop) or a new one starts (keeping about N); at 40% a burst of a quarter of the
+  live servers is SIGKILLed at once; at 60% a bootstrap peer is SIGKILLed and restarted 3 s later.
+
+Measured (one JSON object on stdout; progress on stderr): sessions finished / failed / unfinished, HF-equal outputs,
+failovers (client.chain.failover.replace_span calls, counted in the clients) and their stall, seconds with any
+block uncovered and block-seconds uncovered (corolla.monitor.collect.collect_state, the code behind `corolla
+status`, every few seconds; its latency too), first full coverage after the first start, RSS of each server and
+each p2pd, idle CPU per server before the clients start, open file descriptors per server and p2pd at the start
+and at the end (servers alive through the whole run), and the shutdown: every process stopped with SIGTERM, exit
+codes, and processes left in their process groups (orphan p2pd) afterwards.
+
+    python bench/bench_swarm_scale.py --servers 8 --clients 4 --duration 60       # ~3 minutes
+    python bench/bench_swarm_scale.py                                              # 48 servers, 32 clients
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent / "tests"
+PROMPTS = [[1, 5 + i, 17 + 3 * i, 40 + i, 9 + 2 * i, 60 - i] for i in range(16)]
+VOCAB = 128
+LOAD_ATTEMPTS = 3  # a client session's model load (its DHT node, its p2pd) on a loaded machine
+
+
+def log(message: str) -> None:
+    print(f"[swarm_scale {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 4)
+
+
+# ------------------------------------------------------------------------------------------- /proc readings
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
+def uss_mb(pid: int) -> float | None:
+    """Memory of the process's own (not shared with the zygote or anyone): Private_Clean + Private_Dirty."""
+    try:
+        total = 0
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1])
+        return round(total / 1024, 1)
+    except (OSError, ValueError):
+        return None
+
+
+def mem_available_mb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return round(int(line.split()[1]) / 1024)
+    return 0.0
+
+
+def fd_count(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return found
+
+
+def p2pd_of(pid: int) -> int | None:
+    for child in children(pid):
+        try:
+            with open(f"/proc/{child}/comm") as f:
+                if "p2pd" in f.read():
+                    return child
+        except OSError:
+            pass
+    return None
+
+
+def group_members(pgids: set[int]) -> dict[int, str]:
+    """Live processes (not zombies) whose process group is one of `pgids`: pid -> command name."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+            fields = rest.split()
+            if fields[0] != "Z" and int(fields[2]) in pgids:
+                found[int(entry)] = head.split("(", 1)[1]
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+# ------------------------------------------------------------------------------------------- helper processes
+def client_main(args: argparse.Namespace) -> int:
+    """One client process: `--threads` sessions, each its own distributed model, generating until the deadline;
+    one JSON line per generation on stdout."""
+    import torch
+
+    torch.set_num_threads(1)
+    from corolla import AutoDistributedModelForCausalLM
+    from corolla.client.chain import failover
+    from corolla.client.config import ClientConfig
+
+    expected = json.loads(Path(args.expected).read_text())
+    lock, loading = threading.Lock(), threading.Lock()
+    failovers: list[float] = []
+    original = failover.replace_span
+
+    async def counted(chain, index, position):
+        begin = time.monotonic()
+        try:
+            return await original(chain, index, position)
+        finally:
+            with lock:
+                failovers.append(time.monotonic() - begin)
+
+    failover.replace_span = counted
+
+    def emit(record: dict) -> None:
+        with lock:
+            print(json.dumps(record), flush=True)
+
+    def worker(index: int) -> None:
+        model = None
+        for attempt in range(LOAD_ATTEMPTS):  # one load at a time per process: p2pd must start within 15 s
+            with loading:
+                try:
+                    model = AutoDistributedModelForCausalLM.from_pretrained(
+                        args.model, initial_peers=args.peers.split(","),
+                        client_config=ClientConfig(missing_blocks_wait=args.missing_blocks_wait))
+                    break
+                except Exception as e:  # noqa: BLE001
+                    emit({"event": "load_retry" if attempt + 1 < LOAD_ATTEMPTS else "load_failed",
+                          "error": f"{type(e).__name__}: {e}"[:300]})
+        if model is None:
+            return
+        emit({"event": "loaded"})
+        turn = index
+        try:
+            while time.time() < args.deadline:
+                prompt = PROMPTS[turn % len(PROMPTS)]
+                turn += 1
+                with lock:
+                    before = len(failovers)
+                begin = time.time()
+                emit({"event": "begin"})
+                try:
+                    out = model.generate(torch.tensor([prompt]), max_new_tokens=args.new_tokens, do_sample=False)
+                    record = {"ok": True, "equal": out[0].tolist() == expected[str((turn - 1) % len(PROMPTS))]}
+                except Exception as e:  # noqa: BLE001 (a failed session is what we count)
+                    record = {"ok": False, "error": f"{type(e).__name__}: {e}"[:400]}
+                with lock:
+                    record["failovers"] = len(failovers) - before  # of this process, while this session ran
+                emit({"event": "session", "start": begin, "end": time.time(), **record})
+        finally:
+            emit({"event": "shutdown_begin"})
+            model.shutdown()
+            emit({"event": "shutdown_done"})
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    emit({"event": "failovers", "stalls": list(failovers)})
+    sys.stdout.flush()
+    os._exit(0)  # whatever the models' loops left behind must not keep the process waiting
+
+
+def dht_peers_main(args: argparse.Namespace) -> int:
+    """`--count` plain DHT nodes (each its own p2pd) in one asyncio loop, until stdin closes or SIGTERM."""
+    import asyncio
+
+    from corolla.dht import create_swarm_node
+
+    async def run() -> None:
+        nodes = []
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_reader(sys.stdin.fileno(), lambda: stop.set() if not os.read(sys.stdin.fileno(), 1) else None)
+        try:
+            for _ in range(args.count):
+                if stop.is_set():
+                    break
+                try:
+                    nodes.append(await create_swarm_node(args.peers.split(","), host="127.0.0.1"))
+                except Exception as e:  # noqa: BLE001 (a bootstrap that did not answer in time, on a loaded machine)
+                    print(json.dumps({"event": "dht_peer_failed", "error": f"{type(e).__name__}: {e}"[:200]}),
+                          flush=True)
+                    await asyncio.sleep(1.0)
+                    continue
+                print(json.dumps({"event": "dht_peer", "n": len(nodes)}), flush=True)
+            await stop.wait()
+        finally:
+            await asyncio.gather(*(node.shutdown() for node in nodes), return_exceptions=True)
+
+    asyncio.run(run())
+    sys.stdout.flush()
+    os._exit(0)
+
+
+class Helper:
+    """This script in another role, in its own process group; its stdout's JSON lines collected."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], stderr: IO[str] | None = None):
+        self.popen = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv], stdout=subprocess.PIPE,
+                                      stderr=stderr if stderr is not None else subprocess.DEVNULL,
+                                      stdin=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        self.records: list[dict] = []
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            try:
+                self.records.append(json.loads(line))
+            except ValueError:
+                pass
+
+    def stop(self, grace: float) -> int | None:
+        try:
+            assert self.popen.stdin is not None
+            self.popen.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        code = self.popen.returncode
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.thread.join(timeout=5)
+        return code
+
+
+# ------------------------------------------------------------------------------------------- the swarm
+class Coverage:
+    """collect_state every `period` seconds in a thread: seconds with any block uncovered, block-seconds, latency."""
+
+    def __init__(self, peers: list[str], prefix: str, blocks: int, period: float):
+        self.peers, self.prefix, self.blocks, self.period = peers, prefix, blocks, period
+        self.samples: list[dict] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=60)
+
+    def _run(self) -> None:
+        from corolla.client.event_loop import run_sync
+        from corolla.monitor.collect import collect_state
+        from corolla.monitor.source import join_swarm
+
+        node = run_sync(join_swarm(self.peers), timeout=60)
+        try:
+            while not self._stop.is_set():
+                begin = time.monotonic()
+                try:
+                    state = run_sync(collect_state(node, models={self.prefix: self.blocks}, ping_timeout=3.0,
+                                                   max_pings=64), timeout=60)
+                    view = state.models[0] if state.models else None
+                    self.samples.append({
+                        "t": time.monotonic(), "latency": time.monotonic() - begin,
+                        "uncovered": list(view.uncovered_blocks) if view else list(range(self.blocks)),
+                        "coverage": list(view.coverage) if view else [0] * self.blocks,
+                        "online": view.servers_online if view else 0, "mem_available_mb": mem_available_mb(),
+                        "load1": os.getloadavg()[0]})
+                except Exception:  # noqa: BLE001
+                    self.errors += 1
+                self._stop.wait(max(0.0, self.period - (time.monotonic() - begin)))
+        finally:
+            run_sync(node.shutdown(), timeout=30)
+
+    def summary(self, since: float) -> dict:
+        samples = [s for s in self.samples if s["t"] >= since]
+        any_s = block_s = 0.0
+        for a, b in zip(samples, samples[1:]):
+            if a["uncovered"]:
+                any_s += b["t"] - a["t"]
+                block_s += (b["t"] - a["t"]) * len(a["uncovered"])
+        latencies = [s["latency"] for s in samples]
+        spreads = [max(s["coverage"]) - min(s["coverage"]) for s in samples if s["coverage"]]
+        return {"samples": len(samples), "errors": self.errors, "any_block_uncovered_s": round(any_s, 1),
+                "uncovered_block_seconds": round(block_s, 1),
+                "samples_with_uncovered": sum(1 for s in samples if s["uncovered"]),
+                "status_latency_s": {"p50": pct(latencies, 0.5), "p99": pct(latencies, 0.99),
+                                     "max": round(max(latencies), 3) if latencies else None},
+                "coverage_spread_p50": pct(spreads, 0.5),
+                "mem_available_mb_min": min((s["mem_available_mb"] for s in samples), default=None),
+                "load1_p50": pct([s["load1"] for s in samples], 0.5),
+                "last_coverage": samples[-1]["coverage"] if samples else None}
+
+    def first_full(self, since: float) -> float | None:
+        for s in self.samples:
+            if s["t"] >= since and not s["uncovered"]:
+                return round(s["t"] - since, 1)
+        return None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_model(path: Path, blocks: int) -> dict[str, list[int]]:
+    """A tiny random Llama with `blocks` layers (varied greedy output) and its HF greedy outputs for PROMPTS."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=blocks,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                         eos_token_id=None, initializer_range=0.2)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return {str(i): model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS[0], do_sample=False)[0].tolist()
+            for i, p in enumerate(PROMPTS)}
+
+
+NEW_TOKENS = [16]
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The whole run; returns the report."""
+    sys.path.insert(0, str(TESTS))
+    import server_zygote
+    from corolla.cli.local_swarm import LocalProcess, LocalSwarm
+    from corolla.dht import model_dht_prefix
+
+    NEW_TOKENS[0] = args.new_tokens
+    rng = random.Random(args.seed)
+    started_at = time.monotonic()
+    own_zygote = server_zygote._client is None  # under pytest the session's zygote is shared: leave it running
+    server_zygote.start()
+    result: dict = {"config": {k: v for k, v in vars(args).items() if k != "role"}, "network": "loopback"}
+    with tempfile.TemporaryDirectory(prefix="swarm-scale-") as tmp:
+        tmp_path = Path(tmp)
+        model = str(tmp_path / "tiny-llama")
+        expected = build_model(Path(model), args.blocks)
+        (tmp_path / "expected.json").write_text(json.dumps(expected))
+        env = {**os.environ, "COROLLA_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+        log_file = open(tmp_path / "swarm.log", "w") if not args.log else open(args.log, "w")
+
+        class Swarm(LocalSwarm):
+            def _start_process(self, argv: list[str]):
+                return server_zygote.start_corolla(argv, self.env)
+
+        local = Swarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}, log_file=log_file)
+        helpers: list[Helper] = []
+        coverage: Coverage | None = None
+        all_pgids: set[int] = set()
+        try:
+            # bootstrap peers, each with an identity and a port, so that a replacement has the same multiaddr
+            boot_specs = [(str(tmp_path / f"boot{i}.key"), free_port()) for i in range(args.bootstraps)]
+
+            def start_boot(i: int) -> LocalProcess:
+                key, port = boot_specs[i]
+                local.start_dht(args=["--port", str(port), "--identity", key], timeout=120)
+                all_pgids.add(local.processes[-1].pid)
+                return local.processes[-1]
+
+            boots = []
+            for i in range(args.bootstraps):
+                boots.append(start_boot(i))
+                if i == 0:
+                    peers = list(local.initial_peers)
+                else:
+                    peers += [m for m in local.initial_peers if m not in peers]
+            local.initial_peers = peers
+            log(f"bootstrap peers: {len(boots)}")
+
+            if args.dht_peers:  # a fresh interpreter: its imports overlap the servers' start
+                helper = Helper(["--role", "dht-peers", "--count", str(args.dht_peers), "--peers", ",".join(peers)], env,
+                                log_file)
+                helpers.append(helper)
+                all_pgids.add(helper.popen.pid)
+            servers: list[LocalProcess] = []
+            fixed_count = round(args.servers * args.fixed_fraction)
+            fixed_starts = [round(i * (args.blocks - args.span) / max(1, fixed_count - 1)) for i in range(fixed_count)]
+            server_args = ["--num-threads", "1", "--announce-period", str(args.announce_period),
+                           "--max-session-length", "512", "--throughput", "100"]
+            joins: list[float] = []
+            counter = [0]
+
+            def start_server(fixed: int | None = None) -> LocalProcess:
+                counter[0] += 1
+                blocks = (["--blocks", f"{fixed}:{fixed + args.span}"] if fixed is not None
+                          else ["--num-blocks", str(args.span)])
+                proc = local.start_server(model, [*blocks, *server_args], name=f"s{counter[0]}", wait=False)
+                all_pgids.add(proc.pid)
+                servers.append(proc)
+                begin = time.monotonic()
+
+                def wait() -> None:
+                    if proc.ready.wait(300):
+                        joins.append(time.monotonic() - begin)
+                threading.Thread(target=wait, daemon=True).start()
+                return proc
+
+            first_start = time.monotonic()
+            coverage = Coverage(peers, model_dht_prefix(model), args.blocks, args.sample_period)
+            coverage.start()
+            for i in range(args.servers):
+                start_server(fixed_starts[i] if i < fixed_count else None)
+                time.sleep(args.start_gap)
+            log(f"{args.servers} servers started; waiting for them to be ready")
+            deadline = time.monotonic() + args.ready_timeout
+            while time.monotonic() < deadline and not all(p.ready.is_set() or not p.alive() for p in servers):
+                time.sleep(1)
+            ready = [p for p in servers if p.ready.is_set()]
+            result["startup"] = {"ready": len(ready), "of": len(servers), "died": sum(not p.alive() for p in servers),
+                                 "all_ready_s": round(time.monotonic() - first_start, 1),
+                                 "join_s_p50": pct(joins, 0.5), "join_s_max": round(max(joins), 1) if joins else None}
+            log(f"startup: {result['startup']}")
+            # idle: CPU, RSS and descriptors with no traffic
+            idle_from = {p.pid: cpu_seconds(p.pid) for p in ready}
+            time.sleep(args.idle_window)
+            idle_pct = [100 * (cpu_seconds(p.pid) - idle_from[p.pid]) / args.idle_window
+                        for p in ready if cpu_seconds(p.pid) is not None and idle_from[p.pid] is not None]
+            start_fds = {p.pid: (fd_count(p.pid), fd_count(p2pd_of(p.pid) or -1)) for p in ready}
+            rss_start = [rss_mb(p.pid) for p in ready]
+            uss_start = [uss_mb(p.pid) for p in ready]
+            p2pd_rss_start = [rss_mb(p2pd_of(p.pid) or -1) for p in ready]
+            result["idle"] = {"window_s": args.idle_window, "cpu_pct_per_server_p50": pct(idle_pct, 0.5),
+                              "cpu_pct_per_server_max": round(max(idle_pct), 2) if idle_pct else None,
+                              "first_full_coverage_s": coverage.first_full(first_start)}
+
+            def plain_peers() -> int:
+                return max((r["n"] for r in helpers[0].records if r.get("event") == "dht_peer"), default=0) \
+                    if args.dht_peers else 0
+
+            plain = plain_peers()
+
+            # clients
+            churn_start = time.monotonic()
+            churn_deadline = time.time() + args.warmup + args.duration
+            procs = max(1, min(args.client_procs, args.clients))
+            per = [args.clients // procs + (i < args.clients % procs) for i in range(procs)]
+            clients = [Helper(["--role", "client", "--model", model, "--peers", ",".join(peers), "--threads", str(n),
+                               "--expected", str(tmp_path / "expected.json"), "--deadline", str(churn_deadline),
+                               "--new-tokens", str(args.new_tokens), "--missing-blocks-wait",
+                               str(args.missing_blocks_wait)], env, log_file) for n in per if n]
+            helpers += clients
+            all_pgids.update(c.popen.pid for c in clients)
+            log(f"{args.clients} client sessions in {len(clients)} processes; {plain} plain DHT peers; warm-up "
+                f"{args.warmup:.0f}s then {args.duration:.0f}s of churn")
+            time.sleep(args.warmup)
+
+            # churn
+            events = {"sigkill": 0, "sigterm": 0, "started": 0, "burst_killed": 0, "bootstrap_replaced": 0}
+            term_codes: list[int | None] = []
+            stoppers: list[threading.Thread] = []
+            alive_through: set[int] = {p.pid for p in ready}
+
+            def live() -> list[LocalProcess]:
+                return [p for p in servers if p.alive() and p.ready.is_set()]
+
+            def sigterm(proc: LocalProcess) -> None:
+                proc.popen.send_signal(signal.SIGTERM)
+                try:
+                    term_codes.append(proc.popen.wait(timeout=60))
+                except subprocess.TimeoutExpired:
+                    term_codes.append(None)
+                    proc.signal_group(signal.SIGKILL)
+
+            begin = time.monotonic()
+            end = begin + args.duration
+            burst_at, boot_at = begin + 0.4 * args.duration, begin + 0.6 * args.duration
+            burst_done = boot_done = False
+            peak_servers = len(live())
+            while time.monotonic() < end:
+                now = time.monotonic()
+                alive = live()
+                peak_servers = max(peak_servers, len([p for p in servers if p.alive()]))
+                if not burst_done and now >= burst_at:
+                    victims = rng.sample(alive, max(1, len(alive) // 4))
+                    for victim in victims:
+                        victim.signal_group(signal.SIGKILL)
+                        alive_through.discard(victim.pid)
+                    events["burst_killed"] = len(victims)
+                    burst_done = True
+                    log(f"burst: SIGKILLed {len(victims)} of {len(alive)} servers")
+                elif not boot_done and now >= boot_at and boots:
+                    victim = boots[0]
+                    victim.signal_group(signal.SIGKILL)
+                    victim.popen.wait(timeout=10)
+                    time.sleep(3)
+                    boots[0] = start_boot(0)
+                    events["bootstrap_replaced"] += 1
+                    boot_done = True
+                    log("bootstrap peer 0 SIGKILLed and restarted at the same multiaddr")
+                else:
+                    starting = sum(1 for p in servers if p.alive() and not p.ready.is_set())
+                    below = len(alive) + starting < args.servers
+                    action = rng.choice(["start", "start", "kill", "term"] if below else ["start", "kill", "term"])
+                    if action != "start" and len(alive) <= max(2, args.servers // 2):
+                        action = "start"
+                    if action == "start":
+                        start_server()
+                        events["started"] += 1
+                    else:
+                        victim = rng.choice(alive)
+                        alive_through.discard(victim.pid)
+                        if action == "kill":
+                            victim.signal_group(signal.SIGKILL)
+                            events["sigkill"] += 1
+                        else:
+                            thread = threading.Thread(target=sigterm, args=(victim,), daemon=True)
+                            thread.start()
+                            stoppers.append(thread)
+                            events["sigterm"] += 1
+                time.sleep(max(0.0, min(args.churn_period, end - time.monotonic())))
+            log(f"churn over: {events}; waiting for the clients' last sessions")
+            client_deadline = time.monotonic() + args.session_grace
+            for client in clients:
+                try:
+                    client.popen.wait(timeout=max(1.0, client_deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            unfinished_procs = sum(1 for c in clients if c.popen.poll() is None)
+            for client in clients:
+                client.stop(grace=5)
+            for thread in stoppers:
+                thread.join(timeout=60)
+
+            sessions = [r for c in clients for r in c.records if r.get("event") == "session"]
+            stalls = [s for c in clients for r in c.records if r.get("event") == "failovers" for s in r["stalls"]]
+            ok = [s for s in sessions if s["ok"]]
+            errors = [s["error"] for s in sessions if not s["ok"]]
+            result["sessions"] = {
+                "finished": len(ok), "failed": len(errors),
+                "unfinished_at_end": sum(1 for c in clients for r in c.records if r.get("event") == "begin")
+                - len(sessions), "hf_equal": sum(1 for s in ok if s["equal"]),
+                "not_equal": sum(1 for s in ok if not s["equal"]),
+                "clients_loaded": sum(1 for c in clients for r in c.records if r.get("event") == "loaded"),
+                "client_load_failed": [r["error"] for c in clients for r in c.records if r.get("event") == "load_failed"][:5],
+                "client_load_retries": sum(1 for c in clients for r in c.records if r.get("event") == "load_retry"),
+                "client_procs_cut_at_end": unfinished_procs,
+                "client_model_shutdowns_unfinished": sum(
+                    (r.get("event") == "shutdown_begin") - (r.get("event") == "shutdown_done")
+                    for c in clients for r in c.records),
+                "session_s_p50": pct([s["end"] - s["start"] for s in ok], 0.5),
+                "session_s_max": round(max(s["end"] - s["start"] for s in ok), 1) if ok else None,
+                "tokens_per_s": round(len(ok) * args.new_tokens / (args.warmup + args.duration), 2),
+                "errors": errors[:8],
+            }
+            result["failovers"] = {"count": len(stalls), "stall_s_p50": pct(stalls, 0.5), "stall_s_p99": pct(stalls, 0.99),
+                                   "stall_s_max": round(max(stalls), 2) if stalls else None}
+            result["churn"] = {**events, "sigterm_exit_codes": sorted({str(c) for c in term_codes}),
+                               "servers_started_in_all": len(servers)}
+            time.sleep(args.idle_window)  # the swarm at rest again before the end readings
+            result["coverage"] = {**coverage.summary(churn_start),
+                                  "first_full_coverage_s": coverage.first_full(first_start)}
+            coverage.stop()
+            coverage = None
+            survivors = [p for p in ready if p.pid in alive_through and p.alive()]
+            end_fds = {p.pid: (fd_count(p.pid), fd_count(p2pd_of(p.pid) or -1)) for p in survivors}
+            rss_end = [rss_mb(p.pid) for p in live()]
+            uss_end = [uss_mb(p.pid) for p in live()]
+            p2pd_rss_end = [rss_mb(p2pd_of(p.pid) or -1) for p in live()]
+            fd_growth = [end_fds[pid][0] - start_fds[pid][0] for pid in end_fds
+                         if end_fds[pid][0] is not None and start_fds[pid][0] is not None]
+            p2pd_fd_growth = [end_fds[pid][1] - start_fds[pid][1] for pid in end_fds
+                              if end_fds[pid][1] is not None and start_fds[pid][1] is not None]
+
+            def stats(values: list) -> dict:
+                values = [v for v in values if v is not None]
+                return {"p50": pct(values, 0.5), "max": max(values) if values else None}
+
+            result["processes"] = {
+                "server_rss_mb": {"start": stats(rss_start), "end": stats(rss_end)},
+                "server_private_mb": {"start": stats(uss_start), "end": stats(uss_end)},
+                "p2pd_rss_mb": {"start": stats(p2pd_rss_start), "end": stats(p2pd_rss_end)},
+                "server_fds": {"start": stats([v[0] for v in start_fds.values()]),
+                               "end": stats([v[0] for v in end_fds.values()])},
+                "p2pd_fds": {"start": stats([v[1] for v in start_fds.values()]),
+                             "end": stats([v[1] for v in end_fds.values()])},
+                "survivors_compared": len(end_fds), "server_fd_growth": stats(fd_growth),
+                "p2pd_fd_growth": stats(p2pd_fd_growth),
+            }
+            result["dht_peers"] = {"bootstrap": len(boots), "servers_peak": peak_servers, "client_sessions": args.clients,
+                                   "plain_at_clients_start": plain, "plain": plain_peers(),
+                                   "plain_failed_to_join": sum(1 for r in helpers[0].records
+                                                               if r.get("event") == "dht_peer_failed")
+                                   if args.dht_peers else 0, "coverage_sampler": 1,
+                                   "total_peak": len(boots) + peak_servers + args.clients + plain_peers() + 1}
+
+            # shutdown: SIGTERM to every server and bootstrap leader at once, then look for leftovers in their groups
+            log("stopping every process with SIGTERM")
+            remaining = [p for p in local.processes if p.alive()]
+            for proc in remaining:
+                proc.popen.send_signal(signal.SIGTERM)
+            stop_deadline = time.monotonic() + args.stop_grace
+            codes = []
+            for proc in remaining:
+                try:
+                    codes.append(proc.popen.wait(timeout=max(0.1, stop_deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    codes.append(None)
+            time.sleep(1)
+            left = group_members({p.pid for p in remaining})
+            plain_code = helpers[0].stop(grace=30) if args.dht_peers else None
+            result["shutdown"] = {"sigtermed": len(remaining), "exited": sum(c is not None for c in codes),
+                                  "exit_codes": {str(c): codes.count(c) for c in set(codes)},
+                                  "left_in_groups_after_exit": sorted(set(left.values())), "left_count": len(left),
+                                  "plain_dht_helper_exit": plain_code}
+        finally:
+            if coverage is not None:
+                coverage.stop()
+            for helper in helpers:
+                helper.stop(grace=1)
+            local.close(grace=5)
+            leftovers = group_members(all_pgids)
+            for pid in leftovers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            result.setdefault("shutdown", {})["orphans_after_cleanup"] = len(group_members(all_pgids))
+            result["shutdown"]["leftovers_killed_at_cleanup"] = sorted(set(leftovers.values()))
+            if own_zygote:
+                server_zygote.close()
+            log_file.close()
+    shutdown = result["shutdown"]
+    shutdown["clean"] = (shutdown.get("left_count") == 0 and shutdown.get("exited") == shutdown.get("sigtermed")
+                         and set(shutdown.get("exit_codes", {})) <= {"0"} and shutdown["orphans_after_cleanup"] == 0)
+    result["wall_s"] = round(time.monotonic() - started_at, 1)
+    return result
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", type=int, default=48)
+    p.add_argument("--blocks", type=int, default=24, help="layers of the tiny Llama")
+    p.add_argument("--span", type=int, default=4, help="blocks per server")
+    p.add_argument("--fixed-fraction", type=float, default=0.25, help="servers started with --blocks A:B")
+    p.add_argument("--clients", type=int, default=32, help="concurrent client sessions")
+    p.add_argument("--client-procs", type=int, default=4, help="processes the sessions are spread over")
+    p.add_argument("--dht-peers", type=int, default=24, help="plain DHT peers (one helper process)")
+    p.add_argument("--bootstraps", type=int, default=2)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of churn")
+    p.add_argument("--warmup", type=float, default=30.0, help="seconds of clients before the churn")
+    p.add_argument("--churn-period", type=float, default=5.0)
+    p.add_argument("--start-gap", type=float, default=0.5, help="seconds between server starts")
+    p.add_argument("--announce-period", type=float, default=10.0)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--missing-blocks-wait", type=float, default=60.0,
+                   help="ClientConfig.missing_blocks_wait of every session: how long it waits for servers of blocks "
+                        "nobody holds (the burst can take every holder of a span) before MissingBlocks; default 5")
+    p.add_argument("--sample-period", type=float, default=5.0, help="seconds between coverage samples")
+    p.add_argument("--idle-window", type=float, default=15.0)
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--session-grace", type=float, default=120.0, help="seconds the last sessions get after the churn")
+    p.add_argument("--stop-grace", type=float, default=120.0)
+    p.add_argument("--hosts", type=int, default=0,
+                   help="emulated hosts (corolla.netemu); only 0 (loopback) is implemented, see the docstring")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", default=None, help="write every process's output here")
+    # helper roles (this script started by itself)
+    p.add_argument("--role", choices=["main", "client", "dht-peers"], default="main", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--peers", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--expected", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> int:
+    args = parser().parse_args()
+    if args.role == "client":
+        return client_main(args)
+    if args.role == "dht-peers":
+        return dht_peers_main(args)
+    if args.hosts:
+        parser().error("--hosts: emulated hosts are not implemented in this harness; it runs on loopback")
+    print(json.dumps(run(args), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
