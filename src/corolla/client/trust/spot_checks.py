@@ -186,13 +186,15 @@ class SessionChecks:
             return
         if must:
             self.first_checks.add(span.peer_id)
-        self.start(self._guarded(span, history, output.detach(), prompts, span_session.first_output),
-                   history.shape[1] - output.shape[1])
+        self.start(self._first_check(span, history, output.detach(), prompts, span_session.first_output),
+                   history.shape[1] - output.shape[1],
+                   f"spot check of {span.peer_id} on blocks {span.start}:{span.end}")
 
-    def start(self, check: Coroutine[Any, Any, None], covers: int) -> None:
+    def start(self, check: Coroutine[Any, Any, None], covers: int, what: str) -> None:
         """Run `check` (a check, or a dispute to settle) in the background, in `tasks` until it ends; `covers`: the
-        first position whose output it checks."""
-        task = asyncio.get_running_loop().create_task(check)
+        first position whose output it checks. Its unexpected errors are logged as `what`'s: a check must never break
+        the session it watches."""
+        task = asyncio.get_running_loop().create_task(check, name=what)
         self.tasks.add(task)
         self._covers[task] = covers
         task.add_done_callback(self._done)
@@ -200,6 +202,8 @@ class SessionChecks:
     def _done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
         self._covers.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("%s failed unexpectedly", task.get_name(), exc_info=task.exception())
 
     def pending_from(self) -> int | None:
         """The first position whose output a check still in flight covers (outputs from there on are not confirmed
@@ -225,16 +229,12 @@ class SessionChecks:
         self.client.save(now=True)
 
     # ------------------------------------------------------------------ one check
-    async def _guarded(
+    async def _first_check(
         self, span: Span, inputs: Tensor, output: Tensor, prompts: Tensor | None, first_output: int
     ) -> None:
-        """`_check`, whose unexpected errors are logged: a check must never break the session it watches."""
+        """`_check`, after which the server may be checked at once again (`first_checks`), whatever the outcome."""
         try:
             await self._check(span, inputs, output, prompts, first_output)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("spot check of %s on blocks %d:%d failed unexpectedly", span.peer_id, span.start, span.end)
         finally:
             self.first_checks.discard(span.peer_id)
 

@@ -11,7 +11,6 @@ rewinds the generation as a spot check's finding does; a lying standby is distru
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Protocol
 
@@ -59,18 +58,8 @@ class StandbyJudge:
             client.manager.ban(standby)
             return False
         checker = CheckPlan(standby, standby_info, None, kind_of(standby_info))
-        covers = inputs.shape[1] - output.shape[1]
-        self.checks.start(self._settle(primary, inputs, output, checker, reference, widen), covers)
+        settle = self.checks.settle(span, inputs, output.detach(), primary.prompts, primary.first_output, checker,
+                                    reference.detach(), widen)
+        self.checks.start(settle, inputs.shape[1] - output.shape[1],
+                          f"settling standby {standby} vs {span.peer_id} on blocks {span.start}:{span.end}")
         return False
-
-    async def _settle(self, primary: SpanSession, inputs: Tensor, output: Tensor, checker: CheckPlan,
-                      reference: Tensor, widen: float) -> None:
-        span = primary.span
-        try:
-            await self.checks.settle(span, inputs, output.detach(), primary.prompts, primary.first_output, checker,
-                                     reference.detach(), widen)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a dispute must never break the session it watches
-            logger.exception("settling standby %s vs %s on blocks %d:%d failed", checker.peer_id, span.peer_id,
-                             span.start, span.end)
