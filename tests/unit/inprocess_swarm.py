@@ -185,8 +185,8 @@ class InProcessModel:
         self.config, self.generation_config = hf.config, hf.generation_config
         self.manager = swarm.manager(**config)
 
-    def open_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
-        return InferenceSession(self.manager, max_length, batch_size)
+    def open_session(self, max_length: int, batch_size: int = 1, *, standby: int | None = None) -> InferenceSession:
+        return InferenceSession(self.manager, max_length, batch_size, standby=standby)
 
     def embed(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         with torch.no_grad():

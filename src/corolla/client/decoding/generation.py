@@ -50,9 +50,9 @@ class GenerationModel(Protocol):
     config: PretrainedConfig
     generation_config: GenerationConfig
 
-    def open_session(self, max_length: int, batch_size: int = 1) -> InferenceSession:
-        """A session for `max_length` token positions (prompt-tuning prompts come on top); `generate(...,
-        standby=N)` also passes `standby=N` (InferenceSession's standby replicas)."""
+    def open_session(self, max_length: int, batch_size: int = 1, *, standby: int | None = None) -> InferenceSession:
+        """A session for `max_length` token positions (prompt-tuning prompts come on top), with `standby` replicas
+        (InferenceSession; None: the client's default)."""
         ...
 
     def embed(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,10 +138,8 @@ def generate(
     new_tokens = max(limits.max_length - prompt_len, 0)
     positions = context_len + max(new_tokens - 1, 0)  # the last generated token is not sent
     own_session = session is None
-    if session is None and standby is not None:
+    if session is None:
         session = model.open_session(max(positions, 1), call.ids.shape[0], standby=standby)
-    elif session is None:
-        session = model.open_session(max(positions, 1), call.ids.shape[0])
     elif standby is not None and standby != session.standby:
         raise ValueError(f"the session was opened with standby={session.standby}, got standby={standby}")
     elif session.prefix_length + positions > session.max_length:
