@@ -175,9 +175,9 @@ class Fuzzer:
         - a timeout once we have been idle for the whole session timeout: on a loaded machine the test itself may be
           that slow;
         - on a probe stream, `error:peer_limit` (PEER_LIMITED);
-        - a stream that ends before its first answer, counted in `resets`: when a burst of new streams finds the
-          server process's accept queue for p2pd's connections full (100, asyncio's default), p2pd resets them before
-          the server sees them. The test bounds their number.
+        - a stream that ends before its first answer, counted in `resets`: p2pd resets a stream it cannot hand to
+          the server process (its accept queue for p2pd's connections full: corolla.dht.listen_backlog makes it 4,096
+          deep; at asyncio's default of 100 a burst on a loaded machine overflowed it). The test bounds their number.
         """
         outcome, msg = await stream.answer(self.ANSWER_WAIT)
         if outcome == "closed" and stream.answers == 1 and outcome not in allowed:

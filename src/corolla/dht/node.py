@@ -38,6 +38,7 @@ from corolla.dht.identity import ephemeral_identity, load_or_create_identity
 from corolla.dht.maddrs import circuit_maddrs, dialable, peer_id_of, to_daemon_bytes
 from corolla.dht.admission import ANSWER_RECORDS
 from corolla.dht.info import ask_info
+from corolla.dht.listen_backlog import deepen_listen_backlog
 from corolla.dht.record_storage import (ANSWERING, CACHE_KEYS, MAX_SUBKEYS_PER_KEY, STORE_SENDER, RecordStorage,
                                         adopt)
 from corolla.dht.verifier import CHECK_TIMEOUT, RecordVerifier
@@ -180,6 +181,7 @@ async def create_swarm_node(
     if p2p.peer_id.to_base58() != key.peer_id:
         await p2p.shutdown()
         raise RuntimeError(f"p2pd runs as {p2p.peer_id.to_base58()}, not as the identity's peer id {key.peer_id}")
+    deepen_listen_backlog(p2p)  # before any handler: p2pd's stream bursts beyond 100 would be reset
     try:
         gate = None
         if swarm_key is not None:
