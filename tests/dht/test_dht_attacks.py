@@ -137,15 +137,16 @@ def test_a_replayed_older_record_neither_replaces_nor_expires_the_newer_one():
         victim = await create_swarm_node(await boot.maddrs())
         try:
             peers = await boot.maddrs()
-            assert await announce_blocks(victim.dht, "replayed", victim.peer_id, record(), 6)  # the one to replay
+            assert await announce_blocks(victim.dht, "replayed", victim.peer_id, record(), 10)  # the one to replay
+            captured = asyncio.Event()
 
-            async def announce_newer():
-                await asyncio.sleep(1.5)
+            async def announce_newer():  # once the attacker holds the older one (its node may take seconds to start)
+                await captured.wait()
                 assert await announce_blocks(victim.dht, "replayed", victim.peer_id, record(), 120)
 
             newer = asyncio.create_task(announce_newer())
             result = await dht_attacks.replay_older_record(peers, "replayed", 0, victim.peer_id, newer_timeout=30,
-                                                           max_wait=30)
+                                                           max_wait=30, captured=captured)
             await newer
             return result
         finally:

@@ -169,14 +169,17 @@ async def shadow_key(initial_peers: Sequence[str], prefix: str, block: int, vict
 
 async def replay_older_record(initial_peers: Sequence[str], prefix: str, block: int, victim: str,
                               swarm_key: SwarmKey | None = None, newer_timeout: float = 60.0,
-                              max_wait: float = 120.0) -> AttackResult:
-    """Capture `victim`'s signed record as the DHT holds it, wait (up to `newer_timeout` s) for it to announce a newer
-    one, replay the older to every peer, wait until the older would have expired (up to `max_wait` s), and read."""
+                              max_wait: float = 120.0, captured: asyncio.Event | None = None) -> AttackResult:
+    """Capture `victim`'s signed record as the DHT holds it (then set `captured`), wait (up to `newer_timeout` s) for
+    it to announce a newer one, replay the older to every peer, wait until the older would have expired (up to
+    `max_wait` s), and read."""
     key = block_key(prefix, block)
     async with hostile_node(initial_peers, swarm_key) as node:
         older = await _raw_record(node, key, victim)
         if older is None:
             raise ValueError(f"{victim} has no record under {key} to capture")
+        if captured is not None:
+            captured.set()
         deadline = time.monotonic() + newer_timeout
         while (newer := await _raw_record(node, key, victim)) is None or newer[1] <= older[1]:
             if time.monotonic() > deadline:
