@@ -38,6 +38,12 @@ from local_swarms import (  # noqa: F401 (SERVER_ARGS, wait_until: re-exported f
     wait_until,
 )
 
+# One torch thread in the test process (servers get `--num-threads 1` too, SERVER_ARGS). The tests' tensors are tiny,
+# and torch still splits an op over its threads when it has rows to split: on a 2-core machine busy with servers each
+# such op waits for a second thread to wake (a softmax of a (1, 4, 4) tensor: 152 us with 2 threads, 1.8 us with 1).
+# tests/unit and tests/models took 222 s with 2 threads, 64 s with 1.
+torch.set_num_threads(1)
+
 TINY_LLAMA = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,

@@ -188,7 +188,9 @@ def test_a_step_asking_for_its_last_positions_gets_only_those_back(stack):
 
     last, partial, whole = serve(stack, scenario)
     assert isinstance(last, StepResult) and last.position == 5
-    assert partial.shape == (1, 1, HIDDEN) and torch.equal(partial, whole[:, -1:])
+    # two computations of the same positions (the second rewrites the first's cache): equal up to rounding, which
+    # differs with the number of torch threads
+    assert partial.shape == (1, 1, HIDDEN) and torch.allclose(partial, whole[:, -1:], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- issue 34: refusals reach the owner, in order only
