@@ -55,9 +55,9 @@ def test_a_crashed_primary_is_replaced_by_its_standby_with_no_replay(swarm, monk
     replays = []
     real_open_route = failover.open_route
 
-    async def spy(chain, start, end, history):
+    async def spy(chain, start, end, history, fresh=True):
         replays.append((start, end, None if history is None else history.shape[1]))
-        return await real_open_route(chain, start, end, history)
+        return await real_open_route(chain, start, end, history, fresh)
 
     monkeypatch.setattr(failover, "open_route", spy)
     chunks = [inputs(4), inputs(1, 1), inputs(1, 2), inputs(1, 3)]

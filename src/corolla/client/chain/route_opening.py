@@ -31,14 +31,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-async def open_route(chain: Chain, start: int, end: int, history: torch.Tensor | None) -> list[SpanSession]:
+async def open_route(chain: Chain, start: int, end: int, history: torch.Tensor | None, fresh: bool = True
+                     ) -> list[SpanSession]:
     """Open sessions on a fresh route over [start, end) for `chain` and replay `history` (B, t, H: inputs at block
-    `start` of positions [0, t)) into them; returns the opened spans in route order."""
+    `start` of positions [0, t)) into them; returns the opened spans in route order. `fresh` False (a failover): the
+    first route comes from the swarm view at hand (SequenceManager.make_route)."""
     manager, config = chain.manager, chain.config
     failures = 0
     while True:
         route = await manager.make_route(
-            start, end, cache_tokens_needed=chain.batch_size * chain.max_length, adapter=config.active_adapter
+            start, end, cache_tokens_needed=chain.batch_size * chain.max_length, adapter=config.active_adapter,
+            fresh=fresh or failures > 0,
         )
         opened: list[SpanSession] = []
         span = route[0]
