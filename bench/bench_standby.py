@@ -31,9 +31,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 MODEL = dict(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=16,
-             num_key_value_heads=8, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+             num_key_value_heads=8, max_position_embeddings=8448, bos_token_id=1, eos_token_id=2)
 SPANS = {"a": ("0:2", "100"), "b": ("2:4", "1000"), "c": ("2:4", "10"), "d": ("4:6", "100")}  # host: blocks, tput
-SERVER_ARGS = ["--num-threads", "1", "--max-session-length", "8192", "--host", "0.0.0.0", "--announce-period", "2"]
+SERVER_ARGS = ["--num-threads", "1", "--max-session-length", "8448", "--host", "0.0.0.0", "--announce-period", "2"]
 
 
 def log(message: str) -> None:
