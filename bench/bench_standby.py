@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -30,9 +31,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 MODEL = dict(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=16,
-             num_key_value_heads=8, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+             num_key_value_heads=8, max_position_embeddings=8448, bos_token_id=1, eos_token_id=2)
 SPANS = {"a": ("0:2", "100"), "b": ("2:4", "1000"), "c": ("2:4", "10"), "d": ("4:6", "100")}  # host: blocks, tput
-SERVER_ARGS = ["--num-threads", "1", "--max-session-length", "8192", "--host", "0.0.0.0", "--announce-period", "2"]
+SERVER_ARGS = ["--num-threads", "1", "--max-session-length", "8448", "--host", "0.0.0.0", "--announce-period", "2"]
 
 
 def log(message: str) -> None:
@@ -50,7 +51,8 @@ def client_main(model: str, peers: list[str]) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s.%(msecs)03d %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    logging.getLogger("corolla.client").setLevel(logging.INFO)  # failover events, timed, in the process log
+    logging.getLogger("corolla.client").setLevel(  # failover events, timed, in the process log
+        logging.DEBUG if os.environ.get("BENCH_DEBUG") else logging.INFO)
     from corolla.client.event_loop import run_sync
 
     client = AutoDistributedModelForCausalLM.from_pretrained(
@@ -78,6 +80,7 @@ def client_main(model: str, peers: list[str]) -> int:
                         print(json.dumps({"kill": victim}), flush=True)
                         sys.stdin.readline()
                         marks["killed_at"] = time.perf_counter()
+                        logging.getLogger("bench_standby").warning("killed %s", victim)  # the failover's log, timed
                     left.append(time.perf_counter())
 
                 def end(self) -> None:
@@ -116,6 +119,7 @@ def run(args: argparse.Namespace) -> dict:
     hf.save_pretrained(tmp / "model")
     model = str(tmp / "model")
     trials = []
+    log(f"process logs: {tmp / 'processes.log'}")
     with open(tmp / "processes.log", "w") as log_file, \
             EmulatedNetwork(["dht", *SPANS, "client"], rtt=args.rtt_ms / 1e3, rate_mbit=args.rate_mbit) as net:
         _, peers = start_dht(net, "dht", "--host", "0.0.0.0", log=log_file)
@@ -137,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
             with torch.no_grad():
                 expected = hf.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)[0]
             for repeat in range(args.repeats):
-                for standby in (1, 0):
+                for standby in args.standby:
                     log(f"context {context}, standby={standby}, repeat {repeat}")
                     start = client.lines_printed
                     client.send(json.dumps({"ids": ids[0].tolist(), "new_tokens": args.new_tokens,
@@ -186,6 +190,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048], help="prompt lengths, tokens")
     parser.add_argument("--repeats", type=int, default=1, help="trials per context and mode")
+    parser.add_argument("--standby", type=int, nargs="+", default=[1, 0], choices=[0, 1],
+                        help="modes to run: 1 = a standby promoted, 0 = the history replayed")
     parser.add_argument("--new-tokens", type=int, default=8, help="greedy tokens per trial")
     parser.add_argument("--kill-after", type=int, default=5, help="the kill comes right after this many tokens")
     parser.add_argument("--rtt-ms", type=float, default=50.0, help="round trip between any two hosts, ms")

@@ -103,6 +103,44 @@ def test_replay_into_a_replacement_made_of_several_smaller_servers(tiny_llama_pa
         swarm.close()
 
 
+@pytest.mark.parametrize("push", [True, False])
+def test_a_replay_sends_back_one_position_and_goes_in_pipelined_chunks_when_pushing(tiny_llama_path, monkeypatch,
+                                                                                   push):
+    """The replay into a replacement of two servers (2:3, 3:4): its last span answers one position (nobody needs the
+    rest: two-way, a replay's wire time doubled); pushing, the 5 positions go in chunks of 2 pushed from 2:3 to 3:4."""
+    from corolla.client.chain import chain as chain_module, route_opening
+
+    pipelined, replayed = [], []
+    real_push, real_accept = route_opening.pipelined_push, chain_module.Chain.accept
+
+    async def spy_push(spans, hidden, position, mask, tokens, timeout, last=None):
+        pipelined.append((len(spans), hidden.shape[1], tokens, last))
+        return await real_push(spans, hidden, position, mask, tokens, timeout, last)
+
+    def spy_accept(self, span, step, x, output, replay=False):
+        if replay:
+            replayed.append((span.span.start, span.span.end, x.shape[1], output.shape[1]))
+        return real_accept(self, span, step, x, output, replay)
+
+    monkeypatch.setattr(route_opening, "pipelined_push", spy_push)
+    monkeypatch.setattr(chain_module.Chain, "accept", spy_accept)
+    swarm = InProcessSwarm(tiny_llama_path, [(0, 2), (2, 4), (2, 3), (3, 4)])
+    try:
+        chunks = [inputs(4), inputs(1, 1), inputs(1, 2), inputs(2, 3)]
+        with swarm.session(push=push, prefill_chunk_tokens=2) as session:
+            out = [session.step(chunks[0]), session.step(chunks[1])]
+            whole = next(s for s in session.route if (s.start, s.end) == (2, 4))
+            swarm.crash(whole.peer_id)
+            out += [session.step(chunks[2]), session.step(chunks[3])]
+            assert [(s.start, s.end) for s in session.route] == [(0, 2), (2, 3), (3, 4)]
+        assert replayed == [(2, 3, 5, 5), (3, 4, 5, 1)]
+        assert pipelined == ([(2, 5, 2, 1)] if push else [])
+        torch.testing.assert_close(torch.cat(out, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+        assert swarm.caches_free()
+    finally:
+        swarm.close()
+
+
 def test_passes_in_flight_are_answered_in_order_and_a_cancelled_one_is_dropped(swarm):
     with swarm.session() as session:
         first = session.step(inputs(4))  # opens the route: later steps can be kept in flight

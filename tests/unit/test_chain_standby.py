@@ -55,9 +55,9 @@ def test_a_crashed_primary_is_replaced_by_its_standby_with_no_replay(swarm, monk
     replays = []
     real_open_route = failover.open_route
 
-    async def spy(chain, start, end, history):
+    async def spy(chain, start, end, history, fresh=True):
         replays.append((start, end, None if history is None else history.shape[1]))
-        return await real_open_route(chain, start, end, history)
+        return await real_open_route(chain, start, end, history, fresh)
 
     monkeypatch.setattr(failover, "open_route", spy)
     chunks = [inputs(4), inputs(1, 1), inputs(1, 2), inputs(1, 3)]
@@ -153,5 +153,83 @@ def test_a_server_short_of_cache_drops_a_standby_for_a_primary_and_the_session_g
                 run_sync(primary.close())
         torch.testing.assert_close(torch.cat(out, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
         assert swarm.caches_free()
+    finally:
+        swarm.close()
+
+
+class ArmAt:
+    """A streamer that arms the `corrupt` fault of the server `pick(session)` names right after the n-th token (the
+    prompt is the 0th), once every standby has caught up: from then on that server's answers are subtly wrong."""
+
+    def __init__(self, n: int, session, faults: dict[str, FaultInjector], pick):
+        self.n, self.session, self.faults, self.pick = n, session, faults, pick
+        self.seen, self.liar, self.primary = -1, None, None
+
+    def put(self, value) -> None:
+        self.seen += 1
+        if self.seen == self.n:
+            wait_for_standbys(self.session)
+            self.primary = self.session.route[1].peer_id
+            self.liar = self.pick(self.session)
+            self.faults[self.liar].arm()
+
+    def end(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("settled_by", ["the client", "a third holder"])
+@pytest.mark.parametrize("liar", ["standby", "primary"])
+def test_a_lying_standby_is_convicted_as_a_lying_primary_is_through_the_standby_judge(tiny_llama_path, liar,
+                                                                                       settled_by):
+    """Spot checks off (verify_rate 0): only the standby judge compares anything. One server of 2:4, the standby or
+    the primary, turns `corrupt` after 2 tokens. The disagreement goes to the spot checks' disputes, settled by the
+    client computing the span itself (primary and standby are its only holders) or by a third holder: the liar, and
+    only the liar, is distrusted; a lying primary is rewound for and replaced (its standby promoted), a lying
+    standby is dropped and never promoted; greedy output equals HF's."""
+    from transformers import AutoModelForCausalLM
+
+    from corolla.checkpoint import load_config
+    from corolla.client.trust.referee import Referee
+    from corolla.client.trust.spot_checks import client_checks
+    from corolla.models import get_family
+    from inprocess_swarm import InProcessModel
+
+    prompt = torch.tensor([[1, 5, 17, 42, 9, 33, 64]])
+    ranges = [(0, 2), (2, 4), (2, 4)] + ([(2, 4)] if settled_by == "a third holder" else [])
+    swarm = InProcessSwarm(tiny_llama_path, ranges)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(tiny_llama_path).eval()
+        expected = hf.generate(prompt, max_new_tokens=12, do_sample=False)
+        model = InProcessModel(swarm, hf)
+        assert model.manager.config.verify_rate == 0
+        if settled_by == "the client":  # as from_pretrained sets it up (ClientConfig.verify_referee)
+            config = load_config(tiny_llama_path)
+            client_checks(model.manager).referee = Referee(tiny_llama_path, get_family(config), config)
+        faults = {}
+        for server in swarm.servers[1:]:
+            faults[server.peer_id] = FaultInjector(server.handler.parts.compute, "corrupt", 5.0)
+            server.handler.parts.compute = server.handler.parts.faults = faults[server.peer_id]
+
+        def pick(session) -> str:
+            return standby_peers(session)[(2, 4)] if liar == "standby" else session.route[1].peer_id
+
+        with model.open_session(max_length=32, standby=1) as session:
+            streamer = ArmAt(2, session, faults, pick)
+            out = model.generate(prompt, max_new_tokens=12, session=session, streamer=streamer)
+            wait_for_standbys(session)
+            run_sync(session.checks.drain(10.0))
+            manager = session.manager
+            assert session.standby_mismatches >= 1 and not session.unverified
+            assert manager.distrusted == {streamer.liar}
+            honest = [s.peer_id for s in swarm.servers[1:] if s.peer_id != streamer.liar]
+            assert not set(honest) & set(manager.banned())
+            assert streamer.liar not in [s.peer_id for s in session.route]
+            assert streamer.liar not in standby_peers(session).values()
+            if liar == "standby":
+                assert session.checks.rewinds == [] and session.standby_promotions == 0
+                assert session.route[1].peer_id == streamer.primary
+            else:  # rewound to where the liar's outputs began to count, its standby promoted in its place
+                assert session.checks.rewinds and session.standby_promotions == 1
+        assert torch.equal(out, expected)
     finally:
         swarm.close()

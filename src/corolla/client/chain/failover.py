@@ -150,7 +150,7 @@ async def replace_span(chain: Chain, index: int, position: int) -> int:
         replacement = [promoted]
     else:
         history = span.history[:, :position] if span.history is not None else None
-        replacement = await open_route(chain, span.span.start, span.span.end, history)
+        replacement = await open_route(chain, span.span.start, span.span.end, history, fresh=False)
     spans[index : index + 1] = replacement
     if standbys is not None:
         standbys.cover(replacement)

@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from corolla.client.chain.failover_plan import culprit
+from corolla.client.chain.pass_pipe import PipeFailed
+from corolla.client.chain.push_audit import BadAnswer
+from corolla.client.chain.pipelined_prefill import chunk_tokens, pipelined_push
 from corolla.client.chain.push_route import RouteHop, wanted_links
 from corolla.client.swarm.routing import Span
 from corolla.client.chain.span_session import SpanSession, new_secret
@@ -27,14 +31,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-async def open_route(chain: Chain, start: int, end: int, history: torch.Tensor | None) -> list[SpanSession]:
+async def open_route(chain: Chain, start: int, end: int, history: torch.Tensor | None, fresh: bool = True
+                     ) -> list[SpanSession]:
     """Open sessions on a fresh route over [start, end) for `chain` and replay `history` (B, t, H: inputs at block
-    `start` of positions [0, t)) into them; returns the opened spans in route order."""
+    `start` of positions [0, t)) into them; returns the opened spans in route order. `fresh` False (a failover): the
+    first route comes from the swarm view at hand (SequenceManager.make_route)."""
     manager, config = chain.manager, chain.config
     failures = 0
     while True:
         route = await manager.make_route(
-            start, end, cache_tokens_needed=chain.batch_size * chain.max_length, adapter=config.active_adapter
+            start, end, cache_tokens_needed=chain.batch_size * chain.max_length, adapter=config.active_adapter,
+            fresh=fresh or failures > 0,
         )
         opened: list[SpanSession] = []
         span = route[0]
@@ -58,14 +65,21 @@ async def open_route(chain: Chain, start: int, end: int, history: torch.Tensor |
                     span = s
                     raise r
             if history is not None and history.shape[1] > 0:
-                replay = Step(history, 0, chain.state.replay_mask(history.shape[1]))
-                x = replay.hidden
-                for session in opened:
-                    span = session.span
-                    out = await session.step(x, 0, config.request_timeout, replay.mask)
-                    chain.accept(session, replay, x, out, replay=True)
-                    x = out
-                session.first_output = history.shape[1]  # spot checks: only the last span's later outputs leave
+                logger.debug("replaying %d positions into %s", history.shape[1],
+                             [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened])
+                await replay(chain, opened, history)
+        except PipeFailed as failed:  # the replay failed at span failed.index
+            await close_spans(opened)
+            fault = culprit(failed.index, failed.error)  # pipelined: maybe the span that pushed to it
+            index = failed.index if fault is None else fault.index
+            if fault is not None and fault.distrust:
+                from corolla.client.chain.failover import distrust  # (failover opens routes: imported here)
+
+                assert isinstance(failed.error, BadAnswer)
+                distrust(chain, opened[index].span.peer_id, failed.error.blame.reason)
+            failures = manager.after_failure(failed.error, failures, opened[index].span)
+            await manager.backoff(failures)
+            continue
         except (PeerUnavailable, RemoteError) as e:
             await close_spans(opened)
             failures = manager.after_failure(e, failures, span)
@@ -77,6 +91,47 @@ async def open_route(chain: Chain, start: int, end: int, history: torch.Tensor |
         logger.debug("session route %d:%d -> %s", start, end,
                      [(s.span.peer_id[-6:], s.span.start, s.span.end) for s in opened])
         return opened
+
+
+async def replay(chain: Chain, opened: list[SpanSession], history: torch.Tensor) -> None:
+    """Rebuild the caches of the fresh spans `opened` from `history` (B, t, H: inputs at their first block, positions
+    [0, t)) and keep each span's inputs. The last span answers only the last position: nobody needs its outputs (the
+    spans after it hold their inputs already), and sending them back would double the replay's wire time.
+
+    Pushing (and no deep prompts), a history long enough to chunk goes as a pipelined prefill does
+    (client.chain.pipelined_prefill): the spans compute chunk k while chunk k + 1 is on its way, the spans push to
+    each other, and only what a later span needs comes back. Otherwise it goes whole, span by span through the
+    client (also when a push between fresh spans failed with nobody proven at fault: their links are cut first). Raises
+    PipeFailed naming the span at fault (client.chain.failover_plan.culprit)."""
+    config, length = chain.config, history.shape[1]
+    step = Step(history, 0, chain.state.replay_mask(length), last=1)
+    tokens = chunk_tokens(*history.shape, config.compression, history.dtype, config.prefill_chunk_tokens)
+    pipelined = config.push and chain.prompts is None and tokens is not None
+    if pipelined:
+        assert tokens is not None
+        try:
+            inputs = await pipelined_push(opened, history, 0, step.mask, tokens, config.request_timeout, last=1)
+        except PipeFailed as failed:
+            if culprit(failed.index, failed.error) is not None:
+                raise
+            # a push between two of the fresh spans failed, nobody proven at fault: unlink them and replay by relay
+            logger.info("pipelined replay failed at span %d: %s; replaying whole", failed.index, failed.error)
+            await asyncio.gather(*(s.set_push(None, None, config.connect_timeout) for s in opened))
+            pipelined = False
+        else:
+            for session, x, out in zip(opened, inputs, inputs[1:]):
+                chain.accept(session, step, x, out, replay=True)
+    if not pipelined:
+        x = history
+        for index, session in enumerate(opened):
+            try:
+                out = await session.step(x, 0, config.request_timeout, step.mask,
+                                         answer=step.answer(index, len(opened)))
+            except (PeerUnavailable, RemoteError) as e:
+                raise PipeFailed(index, e) from e
+            chain.accept(session, step, x, out, replay=True)
+            x = out
+    opened[-1].first_output = length  # spot checks: only the last span's later outputs leave
 
 
 def span_prompts(chain: Chain, span: Span) -> torch.Tensor | None:

@@ -303,7 +303,9 @@ class AutoDistributedModelForCausalLM:
         _register_atexit()
         prefix = config.dht_prefix or model_dht_prefix(model_name_or_path)
         manager = SequenceManager(node, prefix, family.num_blocks(hf_config), config)
-        if config.verify_rate > 0 and config.verify_referee:  # spot checks' disputes are settled by the client itself
+        # disputes (a spot check's, or a standby's disagreement with its primary: any session may ask for standbys)
+        # are settled by the client itself; the referee reads the checkpoint only when one needs it
+        if config.verify_referee:
             client_checks(manager).referee = Referee(model_name_or_path, family, hf_config, cache_dir, revision, token)
         ptune = make_prompt_tuning(
             tuning_mode, pre_seq_len, head, hf_config.hidden_size, manager.num_blocks, model_dtype

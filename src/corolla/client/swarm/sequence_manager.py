@@ -47,6 +47,12 @@ def is_retryable(error: Exception) -> bool:
     return isinstance(error, PeerUnavailable) or (isinstance(error, RemoteError) and error.code in RETRYABLE_CODES)
 
 
+def _log_refresh_failure(task: asyncio.Task[None]) -> None:
+    """A background re-read of the swarm failed: the view at hand stays (the next update tries again)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.info("re-reading the swarm in the background failed: %r", task.exception())
+
+
 class SequenceManager:
     def __init__(self, node: SwarmNode, prefix: str, num_blocks: int, config: ClientConfig):
         self.node = node
@@ -65,6 +71,7 @@ class SequenceManager:
         self._stale = False  # set by invalidate(): re-read the DHT at the next update
         self._update_lock = asyncio.Lock()
         self._pings: asyncio.Task[None] | None = None
+        self._refresh: asyncio.Task[None] | None = None  # a re-read of the swarm in the background (refresh_soon)
         self._probes: set[asyncio.Task[None]] = set()
         self._rng = random.Random()
 
@@ -89,6 +96,15 @@ class SequenceManager:
             self._pings = asyncio.create_task(self._measure_rtts())
             if first:
                 await asyncio.wait({self._pings}, timeout=self.config.ping_timeout)
+
+    def refresh_soon(self) -> None:
+        """Re-read the swarm in the background if the view is due (older than update_period, or invalidated), without
+        waiting for it: a failover routes on the view at hand meanwhile (a re-read over 50 ms links took 0.9 s, on the
+        critical path of every failover whose view was older than update_period)."""
+        due = self._stale or time.monotonic() - self.last_update >= self.config.update_period
+        if due and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.ensure_future(self.update())
+            self._refresh.add_done_callback(_log_refresh_failure)
 
     def invalidate(self) -> None:
         """Make the next `update()` re-read the DHT (a server turned out to hold other blocks than we thought)."""
@@ -224,8 +240,11 @@ class SequenceManager:
         return failures
 
     async def backoff(self, failures: int) -> None:
-        """Retries after the first failure go at once (to a replica); later ones wait longer (bans.retry_delay) and
-        re-read the swarm."""
+        """Retries after the first failure go at once (to a replica), on the view at hand; later ones wait longer
+        (bans.retry_delay) and re-read the swarm first."""
+        if failures <= 1:  # the first retry goes at once, on the view at hand (re-read in the background if due)
+            self.refresh_soon()
+            return
         delay = retry_delay(failures, self.config.min_backoff)
         if delay > 0:
             await asyncio.sleep(delay)
@@ -237,7 +256,8 @@ class SequenceManager:
 
     # ------------------------------------------------------------------ routes
     async def make_route(
-        self, start: int, end: int, cache_tokens_needed: int = 0, adapter: str | None = None, push: bool | None = None
+        self, start: int, end: int, cache_tokens_needed: int = 0, adapter: str | None = None, push: bool | None = None,
+        fresh: bool = True,
     ) -> list[Span]:
         """The fastest chain of spans covering [start, end) for an inference session (see routing.find_route),
         through servers holding LoRA `adapter` (default: the client's `active_adapter`).
@@ -248,11 +268,14 @@ class SequenceManager:
         when it re-routes one part of its route after a failure (the part's ends are then priced as legs to and
         from the client, though its neighbours on the route send and receive them): pushing is what most of its
         steps do, and a route is chosen once for all of them.
+
+        `fresh` False (a failover) routes on the view at hand when it has a route, re-reading the swarm in the
+        background if due (`refresh_soon`); a route that fails is retried after a re-read (`backoff`).
         """
         adapter = adapter if adapter is not None else self.config.active_adapter
         push = self.config.push if push is None else push
         return await self._route(start, end, self._planner(None, start, end, cache_tokens_needed, adapter, push),
-                                 adapter)
+                                 adapter, fresh)
 
     async def make_standby(self, span: Span, exclude: Collection[str], cache_tokens_needed: int = 0) -> Span | None:
         """Another server for all of span's blocks (a standby replica, client.chain.standby), chosen as `make_route`
@@ -307,10 +330,15 @@ class SequenceManager:
             self.config.active_adapter,
         )
 
-    async def _route(self, start: int, end: int, plan, adapter: str | None) -> list[Span]:
+    async def _route(self, start: int, end: int, plan, adapter: str | None, fresh: bool = True) -> list[Span]:
         """plan(banned) with every ban, else with only unreachable peers excluded; waits up to missing_blocks_wait
-        for servers (re-reading the DHT), then raises MissingBlocks naming the blocks nobody reachable holds."""
-        await self.update()
+        for servers (re-reading the DHT), then raises MissingBlocks naming the blocks nobody reachable holds.
+        `fresh`: re-read the swarm first if due (else in the background, unless the view was never read or is
+        invalidated)."""
+        if fresh or self._stale or self.last_update == -float("inf"):
+            await self.update()
+        else:
+            self.refresh_soon()
         deadline = time.monotonic() + self.config.missing_blocks_wait
         while True:
             route = plan(self.banned())
@@ -350,6 +378,6 @@ class SequenceManager:
         )
 
     async def close(self) -> None:
-        for task in [self._pings, *self._probes]:
+        for task in [self._pings, self._refresh, *self._probes]:
             if task is not None:
                 task.cancel()
