@@ -111,3 +111,26 @@ def test_the_cli_reads_a_scenario_file(tmp_path, capsys):
     (tmp_path / "bad.json").write_text('{"servers": 6, "bogus": 1}')
     assert main(["simulate", "--scenario", str(tmp_path / "bad.json")]) == 2
     assert "unknown key(s) bogus" in capsys.readouterr().err
+
+
+def test_a_corolla_session_refused_on_one_span_closes_every_span_it_opened_and_routes_them_all_again():
+    """As client.chain.route_opening.open_route does: the spans open at once; one server has no room, so after the
+    allocation wait the client closes the span that did open (its server frees the room), bans the full server
+    (the first failed span) and routes the whole model again."""
+    kind = SpeedClass("cpu", 1.0, 1.0, 2, 65_536)
+    world = World(Scenario(servers=2, blocks=4, duration=600.0, warmup=100.0, join_period=1.0, churn=0.0,
+                           burst_fraction=0.0, clients=1, classes=(kind,), placements=((0, 2), (2, 4)), seed=1,
+                           **ONE_REGION))
+    world.start()
+    world.q.run_until(30.0)  # both servers online; the one client starts at warmup / 2
+    first, second = world.servers
+    assert first.state == second.state == "online" and not world.sessions
+    second.cache_free = 0  # full: the session's second span waits for room it will not get
+    world.q.run_until(50.5)
+    (session,) = world.sessions.values()
+    opened, refused = session.legs
+    assert opened.granted and not refused.granted and first.cache_free < kind.cache_tokens
+    world.q.run_until(50.5 + world.alloc_timeout)
+    assert opened.failed and refused.failed and not opened.granted  # closed, both
+    assert set(session.bans) == {second.peer}  # only the first failed span's server is blamed
+    assert session.legs[0] is not opened and session.legs[0].span.start == 0  # the whole model routed again
