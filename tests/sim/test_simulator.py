@@ -134,3 +134,34 @@ def test_a_corolla_session_refused_on_one_span_closes_every_span_it_opened_and_r
     assert opened.failed and refused.failed and not opened.granted  # closed, both
     assert set(session.bans) == {second.peer}  # only the first failed span's server is blamed
     assert session.legs[0] is not opened and session.legs[0].span.start == 0  # the whole model routed again
+
+
+def test_a_replacement_span_failing_during_its_replay_counts_as_open_routes_own_failure():
+    """A failover opens the replacement with open_route, which replays the tokens so far before it returns and
+    counts failures of its own: a second crash during that replay does not use up the step's retries (a burst
+    taking several servers of one route at once used to fail sessions at half load)."""
+    kind = SpeedClass("cpu", 1.0, 1.0, 2, 65_536)
+    world = World(Scenario(servers=4, blocks=4, duration=600.0, warmup=100.0, join_period=1.0, churn=0.0,
+                           burst_fraction=0.0, clients=1, classes=(kind,), seed=1, new_tokens_min=400,
+                           new_tokens_max=400, placements=((0, 2), (2, 4), (2, 4), (2, 4)), **ONE_REGION))
+    world.start()
+    t = 50.0
+    while not (world.sessions and next(iter(world.sessions.values())).slot is not None):
+        t += 0.5
+        world.q.run_until(t)
+    (session,) = world.sessions.values()
+    second = world.servers[session.legs[1].server]
+    srv.leave(world, second, crash=True)
+    while not any(leg.granted and not leg.filled for leg in session.legs):  # the replacement opened, replaying
+        t += 0.01
+        world.q.run_until(t)
+    assert session.failures == 1
+    replaying = next(leg for leg in session.legs if not leg.filled)
+    srv.leave(world, world.servers[replaying.server], crash=True)
+    while not replaying.failed:
+        t += 0.01
+        world.q.run_until(t)
+    assert session.failures == 1  # the replay's failure is the opening's (open_route's count), not the step's
+    assert replaying.origin is not None and replaying.origin.failures == 0  # counted into the next opening
+    world.q.run_until(t + 5.0)
+    assert session.slot is not None and session.failures == 0  # decoding again, on the fourth server

@@ -59,6 +59,7 @@ class Leg:
     failed: bool = False
     filled: bool = False  # its server's cache holds the session's tokens so far
     opening: Opening | None = None  # the opening it is part of, until that has settled
+    origin: Opening | None = None  # the opening it came from (kept: a failover's replay is part of it)
     error: str | None = None  # why it failed (ERRORS), while its opening has not settled
 
 
@@ -69,6 +70,7 @@ class Opening:
 
     legs: list[Leg]
     waiting: int
+    failures: int = 0  # open_route's own count of failed attempts, this one's predecessors'
 
 
 @dataclass(eq=False)
@@ -104,9 +106,9 @@ def start(w: World, s: SimSession) -> None:
     _route(w, s, None)
 
 
-def _route(w: World, s: SimSession, failed: list[Leg] | None) -> None:
+def _route(w: World, s: SimSession, failed: list[Leg] | None, failures: int = 0) -> None:
     """Route the whole model (failed None) or the blocks of failed legs (consecutive ones of the route), then open
-    the new legs, all at once."""
+    the new legs, all at once; `failures`: the opening's failed attempts so far (open_route's count)."""
     if s.done or (failed is not None and any(leg not in s.legs for leg in failed)):
         return
     start, end = (0, w.scenario.blocks) if failed is None else (failed[0].span.start, failed[-1].span.end)
@@ -121,14 +123,14 @@ def _route(w: World, s: SimSession, failed: list[Leg] | None) -> None:
                                                           or _stalled_too_long(w, s, now - s.missing_since)):
             _fail(w, s, "missing blocks")
         else:
-            w.q.after(MISSING_POLL, _route, w, s, failed)
+            w.q.after(MISSING_POLL, _route, w, s, failed, failures)
         return
     s.missing_since = None
     new = [Leg(span, w.peer_ids[span.peer_id]) for span in spans]
     if w.policy.opens_at_once:
-        opening = Opening(new, len(new))
+        opening = Opening(new, len(new), failures)
         for leg in new:
-            leg.opening = opening
+            leg.opening = leg.origin = opening
     if failed is None:
         s.legs = new
     else:
@@ -199,7 +201,7 @@ def _settle(w: World, s: SimSession, leg: Leg) -> None:
                 srv.withdraw(w, server, s.id, each.id if not each.granted else None)
             each.granted = False
     first = failed[0]
-    _after_failure(w, s, first, first.error or "crash", opening.legs, 0.0)
+    _after_failure(w, s, first, first.error or "crash", opening.legs, 0.0, opening)
 
 
 def _prefill(w: World, s: SimSession) -> None:
@@ -293,6 +295,19 @@ def _leg_failed(w: World, s: SimSession, leg: Leg, kind: str) -> None:
         if not was_granted:  # an opened span that breaks before the others answer was settled already
             _settle(w, s, leg)
         return
+    origin = leg.origin
+    if origin is not None and not leg.filled and s.first_token is not None:
+        # a failover's new span failed while the tokens so far were replayed into it: that is still open_route
+        # (it replays before it returns), which closes its spans, counts the failure as its own and routes again
+        opened = [each for each in origin.legs if each in s.legs]
+        for each in opened:
+            if not each.failed:
+                each.failed = True
+                if w.servers[each.server].alive:
+                    srv.withdraw(w, w.servers[each.server], s.id, each.id if not each.granted else None)
+                each.granted = False
+        _after_failure(w, s, leg, kind, opened, 0.0, origin)
+        return
     extra = 0.0
     error = ERRORS[kind]()
     if s.first_token is not None and repair_plan(s.legs.index(leg), error).action == "relay_unpushed":
@@ -300,18 +315,26 @@ def _leg_failed(w: World, s: SimSession, leg: Leg, kind: str) -> None:
     _after_failure(w, s, leg, kind, [leg], extra)
 
 
-def _after_failure(w: World, s: SimSession, leg: Leg, kind: str, failed: list[Leg], extra: float) -> None:
+def _after_failure(w: World, s: SimSession, leg: Leg, kind: str, failed: list[Leg], extra: float,
+                   opening: Opening | None = None) -> None:
     """The client's `after_failure` and backoff for a failure of `leg` with `kind`: count it, give up or ban its
-    server, and route the blocks of `failed` again after the retry delay (+ `extra` seconds)."""
+    server, and route the blocks of `failed` again after the retry delay (+ `extra` seconds). A failure of an
+    `opening` counts as open_route counts it (its own attempts, from 0 for each span it replaces); one of the route
+    that is open, as the step that found it does (`s.failures`, until a step goes through); either way, over the
+    client's max_retries the session fails."""
     server = w.servers[leg.server]
     error = ERRORS[kind]()
     unreachable = isinstance(error, PeerUnreachable)
-    s.failures += 0 if unreachable else 1
-    if w.policy.gives_up(s.failures) or _stalled_too_long(w, s):
+    if opening is None:
+        s.failures += 0 if unreachable else 1
+        count, carried = s.failures, 0  # the replacement is a fresh open_route
+    else:
+        count = carried = opening.failures + (0 if unreachable else 1)
+    if w.policy.gives_up(count) or _stalled_too_long(w, s):
         _fail(w, s, kind)
         return
     s.bans[server.peer] = w.policy.ban(s.bans.get(server.peer), w.q.now, unreachable)
-    w.q.after(w.policy.retry_delay(s.failures) + extra, _route, w, s, failed)
+    w.q.after(w.policy.retry_delay(count) + extra, _route, w, s, failed, carried)
 
 
 def leg_failed(w: World, s: SimSession, leg_id: int, kind: str) -> None:
