@@ -111,3 +111,57 @@ def test_the_cli_reads_a_scenario_file(tmp_path, capsys):
     (tmp_path / "bad.json").write_text('{"servers": 6, "bogus": 1}')
     assert main(["simulate", "--scenario", str(tmp_path / "bad.json")]) == 2
     assert "unknown key(s) bogus" in capsys.readouterr().err
+
+
+def test_a_corolla_session_refused_on_one_span_closes_every_span_it_opened_and_routes_them_all_again():
+    """As client.chain.route_opening.open_route does: the spans open at once; one server has no room, so after the
+    allocation wait the client closes the span that did open (its server frees the room), bans the full server
+    (the first failed span) and routes the whole model again."""
+    kind = SpeedClass("cpu", 1.0, 1.0, 2, 65_536)
+    world = World(Scenario(servers=2, blocks=4, duration=600.0, warmup=100.0, join_period=1.0, churn=0.0,
+                           burst_fraction=0.0, clients=1, classes=(kind,), placements=((0, 2), (2, 4)), seed=1,
+                           **ONE_REGION))
+    world.start()
+    world.q.run_until(30.0)  # both servers online; the one client starts at warmup / 2
+    first, second = world.servers
+    assert first.state == second.state == "online" and not world.sessions
+    second.cache_free = 0  # full: the session's second span waits for room it will not get
+    world.q.run_until(50.5)
+    (session,) = world.sessions.values()
+    opened, refused = session.legs
+    assert opened.granted and not refused.granted and first.cache_free < kind.cache_tokens
+    world.q.run_until(50.5 + world.alloc_timeout)
+    assert opened.failed and refused.failed and not opened.granted  # closed, both
+    assert set(session.bans) == {second.peer}  # only the first failed span's server is blamed
+    assert session.legs[0] is not opened and session.legs[0].span.start == 0  # the whole model routed again
+
+
+def test_a_replacement_span_failing_during_its_replay_counts_as_open_routes_own_failure():
+    """A failover opens the replacement with open_route, which replays the tokens so far before it returns and
+    counts failures of its own: a second crash during that replay does not use up the step's retries (a burst
+    taking several servers of one route at once used to fail sessions at half load)."""
+    kind = SpeedClass("cpu", 1.0, 1.0, 2, 65_536)
+    world = World(Scenario(servers=4, blocks=4, duration=600.0, warmup=100.0, join_period=1.0, churn=0.0,
+                           burst_fraction=0.0, clients=1, classes=(kind,), seed=1, new_tokens_min=400,
+                           new_tokens_max=400, placements=((0, 2), (2, 4), (2, 4), (2, 4)), **ONE_REGION))
+    world.start()
+    t = 50.0
+    while not (world.sessions and next(iter(world.sessions.values())).slot is not None):
+        t += 0.5
+        world.q.run_until(t)
+    (session,) = world.sessions.values()
+    second = world.servers[session.legs[1].server]
+    srv.leave(world, second, crash=True)
+    while not any(leg.granted and not leg.filled for leg in session.legs):  # the replacement opened, replaying
+        t += 0.01
+        world.q.run_until(t)
+    assert session.failures == 1
+    replaying = next(leg for leg in session.legs if not leg.filled)
+    srv.leave(world, world.servers[replaying.server], crash=True)
+    while not replaying.failed:
+        t += 0.01
+        world.q.run_until(t)
+    assert session.failures == 1  # the replay's failure is the opening's (open_route's count), not the step's
+    assert replaying.origin is not None and replaying.origin.failures == 0  # counted into the next opening
+    world.q.run_until(t + 5.0)
+    assert session.slot is not None and session.failures == 0  # decoding again, on the fourth server

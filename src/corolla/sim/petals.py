@@ -138,6 +138,7 @@ class _Holder:
 class PetalsPolicy:
     name = "petals"
     relays = True
+    opens_at_once = False  # Petals opens a route's spans one after another and keeps the ones that opened
     load_aware = False
     announce_period = 60.0
     expiration = 120.0

@@ -45,6 +45,9 @@ def defaults(cls: type) -> dict[str, Any]:
 class Policy(Protocol):
     name: str
     relays: bool  # the client relays every hop (a round trip per span) instead of pushing
+    # the client opens a route's spans at once and, if one fails, closes them all and routes their blocks again
+    # (corolla's open_route); else each failed span is routed again alone, the others kept open
+    opens_at_once: bool
     load_aware: bool  # servers announce their load and clients price it
     announce_period: float
     expiration: float
@@ -79,6 +82,7 @@ class CorollaPolicy:
 
     name = "corolla"
     relays = False
+    opens_at_once = True  # client.chain.route_opening.open_route
     load_aware = True
 
     def __init__(self) -> None:

@@ -4,12 +4,20 @@
     (reserve cache: server.cache.queue decides; a full server keeps the request up to alloc_timeout) -> prefill
     -> decode (corolla.sim.fluid) -> finish (release every reservation)
 
-A span whose server fails is replaced as the real client does: who is at fault and what is redone come from
-client.chain.failover_plan (a silent server after the first span costs one relayed attempt before it is replaced),
-the server is banned (client.swarm.bans with the policy's figures), the retry waits the policy's delay, the span's
-blocks get a new route (banned servers excluded; if that finds none, only unreachable ones), the new spans are
-opened, and the tokens so far are replayed into them (a prefill of prompt + generated tokens). Errors count as the
-client's `after_failure` counts them: a server that cannot be dialed does not use up a retry.
+A corolla route's spans are opened at once, as client.chain.route_opening.open_route opens them (an `Opening`): the
+client waits until every one has opened or failed, and if any failed it closes them all (their servers free what
+they reserved), bans the server of the first failed one in route order, waits the policy's delay and routes the
+same blocks again. So a session that cannot get room on every span of its route holds none of it for longer than
+one allocation wait. (A policy without `opens_at_once`, Petals', routes a failed span's blocks again alone and
+keeps the others.)
+
+A span whose server fails once the route is open is replaced as the real client does: who is at fault and what is
+redone come from client.chain.failover_plan (a silent server after the first span costs one relayed attempt before
+it is replaced), the server is banned (client.swarm.bans with the policy's figures), the retry waits the policy's
+delay, the span's blocks get a new route (banned servers excluded; if that finds none, only unreachable ones), the
+new spans are opened (an opening of their own), and the tokens so far are replayed into them (a prefill of prompt +
+generated tokens). Errors count as the client's `after_failure` counts them: a server that cannot be dialed does not
+use up a retry.
 """
 
 from __future__ import annotations
@@ -50,6 +58,19 @@ class Leg:
     granted: bool = False
     failed: bool = False
     filled: bool = False  # its server's cache holds the session's tokens so far
+    opening: Opening | None = None  # the opening it is part of, until that has settled
+    origin: Opening | None = None  # the opening it came from (kept: a failover's replay is part of it)
+    error: str | None = None  # why it failed (ERRORS), while its opening has not settled
+
+
+@dataclass(eq=False)
+class Opening:
+    """The spans one route opens at once (client.chain.route_opening.open_route gathers their opens): `waiting`
+    of them have neither opened nor failed yet."""
+
+    legs: list[Leg]
+    waiting: int
+    failures: int = 0  # open_route's own count of failed attempts, this one's predecessors'
 
 
 @dataclass(eq=False)
@@ -85,11 +106,12 @@ def start(w: World, s: SimSession) -> None:
     _route(w, s, None)
 
 
-def _route(w: World, s: SimSession, failed: Leg | None) -> None:
-    """Route the whole model (failed None) or a failed leg's blocks, then open the new legs."""
-    if s.done or (failed is not None and failed not in s.legs):
+def _route(w: World, s: SimSession, failed: list[Leg] | None, failures: int = 0) -> None:
+    """Route the whole model (failed None) or the blocks of failed legs (consecutive ones of the route), then open
+    the new legs, all at once; `failures`: the opening's failed attempts so far (open_route's count)."""
+    if s.done or (failed is not None and any(leg not in s.legs for leg in failed)):
         return
-    start, end = (0, w.scenario.blocks) if failed is None else (failed.span.start, failed.span.end)
+    start, end = (0, w.scenario.blocks) if failed is None else (failed[0].span.start, failed[-1].span.end)
     now = w.q.now
     index = w.index_for(s.region, force=s.missing_since is not None)
     spans = w.policy.route(index, start, end, w.rng, banned_peers(s.bans, now))
@@ -101,15 +123,19 @@ def _route(w: World, s: SimSession, failed: Leg | None) -> None:
                                                           or _stalled_too_long(w, s, now - s.missing_since)):
             _fail(w, s, "missing blocks")
         else:
-            w.q.after(MISSING_POLL, _route, w, s, failed)
+            w.q.after(MISSING_POLL, _route, w, s, failed, failures)
         return
     s.missing_since = None
     new = [Leg(span, w.peer_ids[span.peer_id]) for span in spans]
+    if w.policy.opens_at_once:
+        opening = Opening(new, len(new), failures)
+        for leg in new:
+            leg.opening = leg.origin = opening
     if failed is None:
         s.legs = new
     else:
-        at = s.legs.index(failed)
-        s.legs[at : at + 1] = new
+        at = s.legs.index(failed[0])
+        s.legs[at : at + len(failed)] = new
     for leg in new:
         _open(w, s, leg)
 
@@ -143,11 +169,39 @@ def _alloc_timeout(w: World, s: SimSession, leg: Leg) -> None:
 
 
 def granted(w: World, s: SimSession, leg: Leg) -> None:
-    if s.done or leg not in s.legs:
+    if s.done or leg not in s.legs or leg.failed:
         return
     leg.granted = True
-    if all(g.granted for g in s.legs):
+    if leg.opening is not None:
+        _settle(w, s, leg)
+    elif all(g.granted for g in s.legs):
         _prefill(w, s)
+
+
+def _settle(w: World, s: SimSession, leg: Leg) -> None:
+    """`leg` of an opening has opened or failed; once all of them have, the route goes on (all opened) or is
+    closed and routed again (open_route's `except`: the first failed span in route order is blamed)."""
+    opening = leg.opening
+    assert opening is not None
+    opening.waiting -= 1
+    if opening.waiting > 0:
+        return
+    for each in opening.legs:
+        each.opening = None
+    failed = [each for each in opening.legs if each.failed]
+    if not failed:
+        if all(g.granted for g in s.legs):
+            _prefill(w, s)
+        return
+    for each in opening.legs:  # closed: their servers free the room they granted
+        if not each.failed:
+            each.failed = True
+            server = w.servers[each.server]
+            if server.alive:
+                srv.withdraw(w, server, s.id, each.id if not each.granted else None)
+            each.granted = False
+    first = failed[0]
+    _after_failure(w, s, first, first.error or "crash", opening.legs, 0.0, opening)
 
 
 def _prefill(w: World, s: SimSession) -> None:
@@ -232,21 +286,55 @@ def _leg_failed(w: World, s: SimSession, leg: Leg, kind: str) -> None:
         s.stalled_since = w.q.now
     s.generation += 1  # a prefill in flight is lost
     server = w.servers[leg.server]
-    error = ERRORS[kind]()
-    unreachable = isinstance(error, PeerUnreachable)
-    s.failures += 0 if unreachable else 1
     w.metrics.leg_failure()
     if server.alive:
         srv.withdraw(w, server, s.id, leg.id if not leg.granted else None)
-    leg.granted = False
-    if w.policy.gives_up(s.failures) or _stalled_too_long(w, s):
+    was_granted, leg.granted = leg.granted, False
+    if leg.opening is not None:  # the client learns it when the route's other spans have answered too
+        leg.error = kind
+        if not was_granted:  # an opened span that breaks before the others answer was settled already
+            _settle(w, s, leg)
+        return
+    origin = leg.origin
+    if origin is not None and not leg.filled and s.first_token is not None:
+        # a failover's new span failed while the tokens so far were replayed into it: that is still open_route
+        # (it replays before it returns), which closes its spans, counts the failure as its own and routes again
+        opened = [each for each in origin.legs if each in s.legs]
+        for each in opened:
+            if not each.failed:
+                each.failed = True
+                if w.servers[each.server].alive:
+                    srv.withdraw(w, w.servers[each.server], s.id, each.id if not each.granted else None)
+                each.granted = False
+        _after_failure(w, s, leg, kind, opened, 0.0, origin)
+        return
+    extra = 0.0
+    error = ERRORS[kind]()
+    if s.first_token is not None and repair_plan(s.legs.index(leg), error).action == "relay_unpushed":
+        extra = w.rtt(s, server)  # the step relayed to it fails too before it is replaced
+    _after_failure(w, s, leg, kind, [leg], extra)
+
+
+def _after_failure(w: World, s: SimSession, leg: Leg, kind: str, failed: list[Leg], extra: float,
+                   opening: Opening | None = None) -> None:
+    """The client's `after_failure` and backoff for a failure of `leg` with `kind`: count it, give up or ban its
+    server, and route the blocks of `failed` again after the retry delay (+ `extra` seconds). A failure of an
+    `opening` counts as open_route counts it (its own attempts, from 0 for each span it replaces); one of the route
+    that is open, as the step that found it does (`s.failures`, until a step goes through); either way, over the
+    client's max_retries the session fails."""
+    server = w.servers[leg.server]
+    error = ERRORS[kind]()
+    unreachable = isinstance(error, PeerUnreachable)
+    if opening is None:
+        s.failures += 0 if unreachable else 1
+        count, carried = s.failures, 0  # the replacement is a fresh open_route
+    else:
+        count = carried = opening.failures + (0 if unreachable else 1)
+    if w.policy.gives_up(count) or _stalled_too_long(w, s):
         _fail(w, s, kind)
         return
     s.bans[server.peer] = w.policy.ban(s.bans.get(server.peer), w.q.now, unreachable)
-    extra = 0.0
-    if s.first_token is not None and repair_plan(s.legs.index(leg), error).action == "relay_unpushed":
-        extra = w.rtt(s, server)  # the step relayed to it fails too before it is replaced
-    w.q.after(w.policy.retry_delay(s.failures) + extra, _route, w, s, leg)
+    w.q.after(w.policy.retry_delay(count) + extra, _route, w, s, failed, carried)
 
 
 def leg_failed(w: World, s: SimSession, leg_id: int, kind: str) -> None:
