@@ -44,6 +44,19 @@ DRAW_SHARPNESS = 1.0  # a holder is drawn with weight (blocks it serves per seco
 PRICE_JITTER = 0.05  # a sampled route prices each drawn server up to this fraction higher, at random
 
 
+@dataclass(frozen=True)
+class Span:
+    """One part of a route: server `peer_id` computes blocks [start, end)."""
+
+    peer_id: str
+    start: int
+    end: int  # exclusive
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
 def believed_throughput(announced: float, measured: float | None, speedup: float = ANNOUNCED_SPEEDUP) -> float:
     """The throughput route finding prices a server at: the announced one, at most `speedup` x the measured one
     (None: not measured yet)."""
