@@ -1,4 +1,4 @@
-"""A server's shutdown cannot hang on a background task whose cancellation was lost (server.cancel_and_wait).
+"""A server's shutdown cannot hang on a background task whose cancellation was lost (corolla.tasks.cancel_and_wait).
 
 Seen at scale (bench/bench_swarm_scale.py: 48 servers on 2 cores, load above 100): one server never exited after
 SIGTERM; its rebalancer, cancelled in the middle of a DHT read, went on with its loop, and the shutdown waited for it
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from corolla.server.server import cancel_and_wait
+from corolla.tasks import cancel_and_wait
 
 
 async def _loses_first_cancel(log: list[str]) -> None:

@@ -47,32 +47,11 @@ from corolla.server.presence.next_hops import NextHops
 from corolla.server.presence.network import announced_throughput
 from corolla.models.quantization import check_quant_mode
 from corolla.server.compute.tensor_parallel import check_tensor_parallel
+from corolla.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
 TASK_STOP_TIMEOUT = 10.0  # seconds the background tasks get to end once cancelled, at shutdown
-
-
-async def cancel_and_wait(tasks: list[asyncio.Task], timeout: float) -> list[asyncio.Task]:
-    """Cancel `tasks` and wait up to `timeout` seconds for them to end; a task still running then (its cancellation
-    was lost: seen with 48 servers on 2 cores, where a server's rebalancer went on with its loop after the shutdown
-    cancelled it and the server never exited after SIGTERM; where it was lost is not pinned down, `asyncio.wait_for`
-    on Python < 3.12 is one known place) is cancelled once more and given another `timeout`. Returns the tasks that
-    still did not end; a caller shuts down without them rather than hang."""
-    for task in tasks:
-        task.cancel()
-    pending: set[asyncio.Task] = {task for task in tasks if not task.done()}
-    for attempt in range(2):
-        if not pending:
-            break
-        if attempt:
-            for task in pending:
-                task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=timeout)
-    for task in tasks:
-        if task.done() and not task.cancelled():
-            task.exception()  # retrieved: no "exception was never retrieved" at exit
-    return [task for task in tasks if task in pending]
 
 
 class Server:

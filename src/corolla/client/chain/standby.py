@@ -37,11 +37,14 @@ from corolla.client.chain.steps import Step
 from corolla.protocol.codecs import encoded_bytes
 from corolla.protocol.errors import RemoteError
 from corolla.protocol.messages import ErrorCode
+from corolla.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from corolla.client.chain.chain import Chain
 
 logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT = 5.0  # seconds a cancelled standby task gets to end, twice (corolla.tasks.cancel_and_wait)
 
 
 @dataclass
@@ -142,9 +145,7 @@ class Standby:
             for task in done:
                 task.result()
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(list(tasks), STOP_TIMEOUT)
 
     async def _write(self) -> None:
         session = self.session
@@ -184,8 +185,7 @@ class Standby:
             pass
         ok = (self.error is None and self.ready and self.behind == 0 and self.session is not None
               and self.peer_id not in self.owner.chain.manager.distrusted)
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        await cancel_and_wait([self.task], STOP_TIMEOUT)
         if not ok:
             if self.error is None and self.session is not None:
                 self.owner.stats.lost += 1
@@ -197,8 +197,7 @@ class Standby:
 
     async def close(self) -> None:
         """End its task and close its session (its server frees the cache)."""
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        await cancel_and_wait([self.task], STOP_TIMEOUT)
         if self.session is not None:
             await self.session.close()
 
