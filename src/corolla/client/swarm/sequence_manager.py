@@ -82,7 +82,7 @@ class SequenceManager:
         first update so the first route uses them, in the background afterwards so failover never waits on pings.
         """
         async with self._update_lock:
-            if not force and not self._stale and time.monotonic() - self.last_update < self.config.update_period:
+            if not force and not self._due():
                 return
             first = self.last_update == -float("inf")
             servers = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_blocks),
@@ -101,10 +101,13 @@ class SequenceManager:
         """Re-read the swarm in the background if the view is due (older than update_period, or invalidated), without
         waiting for it: a failover routes on the view at hand meanwhile (a re-read over 50 ms links took 0.9 s, on the
         critical path of every failover whose view was older than update_period)."""
-        due = self._stale or time.monotonic() - self.last_update >= self.config.update_period
-        if due and (self._refresh is None or self._refresh.done()):
+        if self._due() and (self._refresh is None or self._refresh.done()):
             self._refresh = asyncio.ensure_future(self.update())
             self._refresh.add_done_callback(_log_refresh_failure)
+
+    def _due(self) -> bool:
+        """Whether the view is to be re-read: older than update_period, or invalidated."""
+        return self._stale or time.monotonic() - self.last_update >= self.config.update_period
 
     def invalidate(self) -> None:
         """Make the next `update()` re-read the DHT (a server turned out to hold other blocks than we thought)."""
