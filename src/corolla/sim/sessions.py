@@ -193,15 +193,21 @@ def _settle(w: World, s: SimSession, leg: Leg) -> None:
         if all(g.granted for g in s.legs):
             _prefill(w, s)
         return
-    for each in opening.legs:  # closed: their servers free the room they granted
+    _close(w, s, opening.legs)
+    first = failed[0]
+    _after_failure(w, s, first, first.error or "crash", opening.legs, 0.0, opening)
+
+
+def _close(w: World, s: SimSession, legs: list[Leg]) -> None:
+    """The client closes these spans (open_route's `except`): the servers of those still open free what they
+    granted or still queue."""
+    for each in legs:
         if not each.failed:
             each.failed = True
             server = w.servers[each.server]
             if server.alive:
                 srv.withdraw(w, server, s.id, each.id if not each.granted else None)
             each.granted = False
-    first = failed[0]
-    _after_failure(w, s, first, first.error or "crash", opening.legs, 0.0, opening)
 
 
 def _prefill(w: World, s: SimSession) -> None:
@@ -300,12 +306,7 @@ def _leg_failed(w: World, s: SimSession, leg: Leg, kind: str) -> None:
         # a failover's new span failed while the tokens so far were replayed into it: that is still open_route
         # (it replays before it returns), which closes its spans, counts the failure as its own and routes again
         opened = [each for each in origin.legs if each in s.legs]
-        for each in opened:
-            if not each.failed:
-                each.failed = True
-                if w.servers[each.server].alive:
-                    srv.withdraw(w, w.servers[each.server], s.id, each.id if not each.granted else None)
-                each.granted = False
+        _close(w, s, opened)
         _after_failure(w, s, leg, kind, opened, 0.0, origin)
         return
     extra = 0.0
