@@ -219,7 +219,9 @@ class PushPool:
             current = self._streams.get(peer_id)
             if current is not None and current[0] is reader:
                 logger.debug("push stream to %s ended by its end: %r", peer_id, e)
-                self._hung_up[peer_id] = time.monotonic()
+                now = time.monotonic()  # (hang-ups too old to matter are dropped: peers leave all the time)
+                self._hung_up = {peer: at for peer, at in self._hung_up.items() if now - at < HUNG_UP_FRESH}
+                self._hung_up[peer_id] = now
                 self._drop(peer_id, cancel=False)
 
     def _drop(self, peer_id: str, cancel: bool = True) -> None:
