@@ -10,9 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from conftest import SERVER_ARGS, start_named_servers
+from conftest import SERVER_ARGS, TestSwarm, start_named_servers
 from corolla import AutoDistributedModelForCausalLM
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.dht import ModelRecord, announce_blocks, create_swarm_node, model_dht_prefix
 from corolla.membership import SwarmKey
 from corolla.protocol import PROTOCOL_VERSION
@@ -24,7 +23,7 @@ from corolla.testing import dht_attacks
 def swarm(tiny_llama_path, tmp_path_factory):
     """A DHT peer and one server of all 4 blocks of the tiny Llama."""
     log_path = tmp_path_factory.mktemp("logs") / "dht-attacks.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("cache"))}) as local:
         named = start_named_servers(local, tiny_llama_path, {"victim": ["--blocks", "0:4"]})
         yield named
 

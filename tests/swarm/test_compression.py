@@ -11,9 +11,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import start_named_servers
+from conftest import TestSwarm, start_named_servers
 from corolla import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.cli.local_swarm import LocalSwarm
 from corolla.protocol.codecs import CODECS
 from test_failover import BACKUP, PREFERRED, ActAfter  # noqa: F401
 
@@ -27,7 +26,7 @@ MAX_ERROR = {"none": 1e-5, "bf16": 3e-2, "fp16": 5e-3, "int8": 1.5e-1, "4bit": 1
 def swarm(tiny_llama_path):
     servers = {name: ["--blocks", blocks] for name, blocks in THREE.items()}
     servers["middle-2"] = ["--blocks", THREE["middle"]]  # so spot checks have a checker for the middle span
-    with LocalSwarm(env={"COROLLA_CACHE": tempfile.mkdtemp(prefix="corolla-cache-")}) as local:
+    with TestSwarm(env={"COROLLA_CACHE": tempfile.mkdtemp(prefix="corolla-cache-")}) as local:
         yield start_named_servers(local, tiny_llama_path, servers)
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import start_named_servers, wait_until
-from corolla.cli.local_swarm import LocalSwarm
+from conftest import TestSwarm, start_named_servers, wait_until
 from corolla.client.swarm.server_info import request_info
 from corolla.dht.node import create_swarm_node
 from corolla.server.presence.network import measure_peer
@@ -36,7 +35,7 @@ LIMIT_ARGS = ["--blocks", "0:4", "--cache-tokens", "32768", "--max-peer-sessions
 def limited(tiny_llama_path, tmp_path_factory):
     """One server (all 4 blocks) with small per-peer limits, its log, a hostile node and an honest node (one loop)."""
     log_path = tmp_path_factory.mktemp("logs") / "limits.log"
-    with open(log_path, "w") as log, LocalSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("c"))}) as local:
+    with open(log_path, "w") as log, TestSwarm(log_file=log, env={"COROLLA_CACHE": str(tmp_path_factory.mktemp("c"))}) as local:
         swarm = start_named_servers(local, tiny_llama_path, {"server": LIMIT_ARGS})
         node = LoopNode(swarm.peers)
         honest = accomplice = None
