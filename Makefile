@@ -17,11 +17,11 @@ install: $(VENV_PYTHON)
 demo: install
 	$(VENV)/bin/corolla demo
 
-# the default tiers (unit + swarm), then the 15 slowest tests: two pytest workers (pytest-xdist), each taking whole
-# files, as most tests wait on servers, the DHT and timeouts more than they compute (11:42 against 17:39 for one
-# worker on the same busy machine)
+# the default tiers (unit + swarm), then the 15 slowest tests: three pytest workers (pytest-xdist) on 2 cores, each
+# taking whole files, as most tests wait on servers, the DHT and timeouts more than they compute (6:37-6:52 against
+# 7:40-8:29 for two workers and 12:50 for one, on a quiet machine)
 test: install
-	$(VENV_PYTHON) -m pytest -n 2 --dist loadfile --durations=15
+	$(VENV_PYTHON) -m pytest -n 3 --dist loadfile --durations=15
 
 # everything, `slow` included (the fuzz's thousands of cases, 1,000 churn sessions, the failover matrix, long WAN
 # scenarios; `net` tests need root and skip elsewhere): under 40 minutes on 2 cores; one worker, as the scale runs of
