@@ -243,7 +243,8 @@ class Server:
             await self.rebalancer.settle()  # another server may have taken the same blocks at the same moment
         self.stack = await asyncio.get_running_loop().run_in_executor(None, self._load_blocks)
         self.allocator = CacheAllocator(
-            self._cache_tokens(), self.metrics, self.config.cache_queue_patience, self.config.max_peer_cache_share
+            self._cache_tokens(), self.metrics, self.config.cache_queue_patience, self.config.max_peer_cache_share,
+            lambda: worker.saturation.saturated(time.monotonic()),
         )
         if not self.throughput:
             compute = await worker.run(PRIORITY_INFERENCE, compute_throughput, self)

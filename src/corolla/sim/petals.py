@@ -138,6 +138,7 @@ class _Holder:
 class PetalsPolicy:
     name = "petals"
     relays = True
+    admits_by_compute = False  # a Petals server admits while its cache has room
     opens_at_once = False  # Petals opens a route's spans one after another and keeps the ones that opened
     load_aware = False
     announce_period = 60.0

@@ -49,6 +49,8 @@ class Policy(Protocol):
     # (corolla's open_route); else each failed span is routed again alone, the others kept open
     opens_at_once: bool
     load_aware: bool  # servers announce their load and clients price it
+    # a server past its compute's peak grants no cache (server.compute.saturation): new sessions wait in its queue
+    admits_by_compute: bool
     announce_period: float
     expiration: float
     update_period: float
@@ -83,6 +85,7 @@ class CorollaPolicy:
     name = "corolla"
     relays = False
     opens_at_once = True  # client.chain.route_opening.open_route
+    admits_by_compute = True  # server.cache.queue.grants(saturated=...), server.compute.saturation
     load_aware = True
 
     def __init__(self) -> None:

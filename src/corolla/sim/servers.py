@@ -294,6 +294,12 @@ def cache_tokens(need: int, used: int, blocks: int) -> int:
     return math.ceil(need * used / blocks)
 
 
+def saturated(w: World, server: SimServer) -> bool:
+    """The server's compute is past its peak (server.compute.saturation), under a policy that admits by compute: in
+    the fluid model, a queue in front of it (its steps wait behind full batches)."""
+    return w.policy.admits_by_compute and bool(w.fluid.overload[server.id] > 1.0)
+
+
 def request_cache(w: World, server: SimServer, session_id: int, leg: int, tokens: int) -> bool:
     """Queue a reservation for leg `leg` of a session; True if it was granted at once (else it waits for
     `grant`)."""
@@ -301,7 +307,7 @@ def request_cache(w: World, server: SimServer, session_id: int, leg: int, tokens
     server.queue[owner] = CacheRequest(owner, str(session_id), tokens, w.q.now)
     server.queue_min = min(server.queue_min, tokens)
     server.waiting[owner] = (session_id, leg)
-    if tokens > server.cache_free:
+    if tokens > server.cache_free or saturated(w, server):
         # exact shortcut: it cannot be granted now, and a request at the end of the queue changes no grant of the
         # requests before it (server.cache.queue scans oldest first), so there is nothing to ask grants() yet
         return False
@@ -317,7 +323,7 @@ def grant(w: World, server: SimServer, answer_now: str | None = None) -> bool:
     # what the queued requests' peers (sessions) hold here: all grants() looks up
     held = {r.peer: server.sessions.get(int(r.peer), 0) for r in queue}
     limit = peer_limit(server.kind.cache_tokens, w.policy_peer_share)
-    owners = grants(server.cache_free, held, limit, queue, w.q.now, w.cache_patience)
+    owners = grants(server.cache_free, held, limit, queue, w.q.now, w.cache_patience, saturated=saturated(w, server))
     requests = [server.queue.pop(owner) for owner in owners]
     server.queue_min = min((r.tokens for r in server.queue.values()), default=math.inf)
     mine = False

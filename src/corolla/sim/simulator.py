@@ -235,6 +235,10 @@ class World:
             if session is not None:
                 ses.finish(self, session, when)
         self.fluid.solve(dt)
+        if self.policy.admits_by_compute:  # a server back under its peak lets the sessions waiting for it in
+            for server in self.servers:
+                if server.queue and server.alive and not srv.saturated(self, server):
+                    srv.grant(self, server)
         present = [x for x in self.servers if x.alive and x.state not in ("starting",)]
         bound = sum(x.kind.speed for x in present) * self.curve.peak / self.scenario.blocks
         busy = self.fluid.demand[: len(self.servers)] > 0

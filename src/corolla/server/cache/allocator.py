@@ -3,8 +3,8 @@ loop. The decisions (what is refused at once, what is granted when) are server.c
 the queue and wakes the waiters it grants.
 
 A waiter is looked at again whenever something could let it in: a reservation released, a waiter leaving, a new
-request arriving, and a protection window ending (the protected request no longer holds the others back). Time
-passing alone frees no tokens, so nothing else triggers a grant.
+request arriving, a protection window ending (the protected request no longer holds the others back), and, while
+the server's compute is past its peak (`saturated`: nothing is granted then), every RECHECK seconds.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from corolla.server.cache.queue import CacheRequest, grants, peer_limit, refusal, window_end
@@ -20,6 +21,7 @@ from corolla.server.cache.budget import CacheBudget
 logger = logging.getLogger(__name__)
 
 DEFAULT_PATIENCE = 5.0  # seconds (ServerConfig.cache_queue_patience)
+RECHECK = 0.25  # seconds between looks at the queue while the compute is past its peak
 
 
 class ReservationObserver(Protocol):
@@ -31,10 +33,12 @@ class ReservationObserver(Protocol):
 
 class CacheAllocator:
     def __init__(self, total_tokens: int, metrics: ReservationObserver | None = None, patience: float = DEFAULT_PATIENCE,
-                 peer_share: float = 1.0):
+                 peer_share: float = 1.0, saturated: Callable[[], bool] | None = None):
         """`patience`: seconds a waiting request may be overtaken by later ones that fit; `peer_share`: the fraction
-        of the budget one peer may hold at once."""
+        of the budget one peer may hold at once; `saturated`: whether the server's compute is past its peak now
+        (server.compute.saturation; None: never)."""
         self.budget = CacheBudget(total_tokens)
+        self.saturated = saturated
         self.metrics = metrics  # told each reservation's outcome
         self.patience = patience
         self.peer_limit = peer_limit(total_tokens, peer_share)
@@ -107,8 +111,9 @@ class CacheAllocator:
         for request, _ in live:  # a window that ended with its request still waiting: no chaining (cache.queue, 1.)
             if window_end(request, self.patience) <= now:
                 self.lapse = max(self.lapse, window_end(request, self.patience))
+        saturated = bool(live) and self.saturated is not None and self.saturated()
         chosen = set(grants(self.budget.free, self.budget.holdings(), self.peer_limit, [request for request, _ in live],
-                            now, self.patience, list(self._granted.values()), self.lapse))
+                            now, self.patience, list(self._granted.values()), self.lapse, saturated))
         for entry in live:
             request, future = entry
             if request.owner in chosen:
@@ -117,14 +122,18 @@ class CacheAllocator:
                 self._granted[request.owner] = (now, request.tokens)
                 self._leave(entry)
                 future.set_result(None)
-        self._schedule_window_end(now)
+        self._schedule_look(now, saturated)
 
-    def _schedule_window_end(self, now: float) -> None:
-        """Look at the queue again when the next protection window of a waiter ends (it may let others in)."""
-        ends = [window_end(request, self.patience) for request, future in self._waiters if not future.done()]
+    def _schedule_look(self, now: float, saturated: bool) -> None:
+        """Look at the queue again when the next protection window of a waiter ends (it may let others in), or in
+        RECHECK seconds while the compute is past its peak and requests wait."""
+        waiting = [request for request, future in self._waiters if not future.done()]
+        ends = [window_end(request, self.patience) for request in waiting] if self.patience > 0 else []
         ends = [end for end in ends if end > now]
+        if saturated and waiting:
+            ends.append(now + RECHECK)
         if self._window_timer is not None:
             self._window_timer.cancel()
             self._window_timer = None
-        if ends and self.patience > 0:
+        if ends:
             self._window_timer = asyncio.get_running_loop().call_later(min(ends) - now + 1e-3, self._grant)

@@ -28,6 +28,10 @@ holds cache (`corolla api`) by `patience` at most, in half of the time at most (
 follow each other); never a peer's first session, never a request its own peer keeps out.
 
 A request larger than the per-peer limit could never be granted at all: it is refused at once, never queued.
+
+Admission by compute: while the server's compute is past its peak (server.compute.saturation), nothing is granted,
+however much cache is free: new sessions wait in the queue, up to their timeout, and the sessions already served
+keep their speed.
 """
 
 from __future__ import annotations
@@ -75,10 +79,14 @@ def grants(
     patience: float,
     granted: Sequence[tuple[float, int]] = (),
     lapse: float = float("-inf"),
+    saturated: bool = False,
 ) -> list[str]:
     """The owners to grant now, in grant order, out of `queue` (oldest first), with `free` tokens, `held[peer]`
     tokens held by each peer, a per-peer `limit`, and the reservations held now as (when granted, tokens) in
-    `granted`; `lapse`: when the last protection window ended with its request still waiting (see the module doc)."""
+    `granted`; `lapse`: when the last protection window ended with its request still waiting (see the module doc);
+    `saturated`: the server's compute is past its peak (none, see the module doc)."""
+    if saturated:
+        return []
     holding = Counter(held)
     scanned: list[int] = []  # tokens granted by this scan (granted "now", after every waiting request arrived)
     chosen: list[str] = []

@@ -21,6 +21,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from corolla.server.compute.saturation import Saturation
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -70,6 +72,7 @@ class ComputeWorker:
         self.observe = observe
         self.batches_run = 0  # batched calls made, and the tasks they served (for logs and tests)
         self.batched_tasks = 0
+        self.saturation = Saturation()  # whether the thread is past its peak (full batches, steps waiting)
         self._queues: dict[int, deque[Task]] = {}
         self._ready = threading.Condition()
         self._stopped = False
@@ -101,21 +104,25 @@ class ComputeWorker:
             self._ready.notify()
         self._thread.join(timeout=30)
 
-    def _next(self) -> list[Task] | None:
+    def _next(self) -> tuple[list[Task], bool] | None:
+        """The next batch, and whether it is full with steps of its priority left waiting (Saturation)."""
         with self._ready:
             while True:
                 if self._stopped:
                     return None
                 for priority in sorted(self._queues):
-                    if self._queues[priority]:
-                        return take_batch(self._queues[priority], self.max_batch)
+                    queue = self._queues[priority]
+                    if queue:
+                        batch = take_batch(queue, self.max_batch)
+                        return batch, len(batch) >= self.max_batch and bool(queue)
                 self._ready.wait()
 
     def _loop(self) -> None:
-        while (tasks := self._next()) is not None:
-            tasks = [t for t in tasks if not t.future.cancelled()]
+        while (taken := self._next()) is not None:
+            tasks = [t for t in taken[0] if not t.future.cancelled()]
             if not tasks:
                 continue
+            began = time.monotonic()
             try:
                 if tasks[0].batch_key is None:
                     results = [tasks[0].fn(*tasks[0].args)]
@@ -127,6 +134,8 @@ class ComputeWorker:
                     self.batched_tasks += len(tasks)
                     if len(tasks) > 1:
                         logger.debug("batched %d steps of key %s", len(tasks), tasks[0].batch_key)
+                    ended = time.monotonic()
+                    self.saturation.observe(ended, ended - began, taken[1])
             except BaseException as e:  # delivered to the awaiting coroutines, which decide
                 for task in tasks:
                     task.loop.call_soon_threadsafe(_set_exception, task.future, e)
