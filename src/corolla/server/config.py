@@ -212,7 +212,10 @@ class ServerConfig:
     )
     max_batch_size: int = field(
         default=64,
-        metadata=_opt("most sessions' decode steps run together in one batched forward (continuous batching)"),
+        metadata=_opt(
+            "most sessions' decode steps run together in one batched forward (continuous batching); while batches "
+            "this full leave steps waiting, the server is past its peak and admits no new session"
+        ),
     )
     merge_max_tokens: int = field(
         default=128,
