@@ -296,7 +296,8 @@ def cache_tokens(need: int, used: int, blocks: int) -> int:
 
 def saturated(w: World, server: SimServer) -> bool:
     """The server's compute is past its peak (server.compute.saturation), under a policy that admits by compute: in
-    the fluid model, a queue in front of it (its steps wait behind full batches)."""
+    the fluid model, a queue in front of it (its steps wait behind full batches). Then server.cache.queue.grants
+    (saturated=True) grants nothing, which `request_cache` and `grant` apply as a shortcut."""
     return w.policy.admits_by_compute and bool(w.fluid.overload[server.id] > 1.0)
 
 
@@ -316,14 +317,15 @@ def request_cache(w: World, server: SimServer, session_id: int, leg: int, tokens
 
 def grant(w: World, server: SimServer, answer_now: str | None = None) -> bool:
     """Grant what server.cache.queue.grants says fits; `answer_now`'s grant is returned instead of delivered."""
-    if not server.queue or server.cache_free < server.queue_min:
-        # exact shortcut: grants() grants a request only if it fits in the free tokens, and none is that small
+    if not server.queue or server.cache_free < server.queue_min or saturated(w, server):
+        # exact shortcuts: grants() grants a request only if it fits in the free tokens, and none is that small;
+        # and nothing while the server is past its peak
         return False
     queue = list(server.queue.values())
     # what the queued requests' peers (sessions) hold here: all grants() looks up
     held = {r.peer: server.sessions.get(int(r.peer), 0) for r in queue}
     limit = peer_limit(server.kind.cache_tokens, w.policy_peer_share)
-    owners = grants(server.cache_free, held, limit, queue, w.q.now, w.cache_patience, saturated=saturated(w, server))
+    owners = grants(server.cache_free, held, limit, queue, w.q.now, w.cache_patience)
     requests = [server.queue.pop(owner) for owner in owners]
     server.queue_min = min((r.tokens for r in server.queue.values()), default=math.inf)
     mine = False
