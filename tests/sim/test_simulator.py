@@ -165,3 +165,35 @@ def test_a_replacement_span_failing_during_its_replay_counts_as_open_routes_own_
     assert replaying.origin is not None and replaying.origin.failures == 0  # counted into the next opening
     world.q.run_until(t + 5.0)
     assert session.slot is not None and session.failures == 0  # decoding again, on the fourth server
+
+
+def test_a_server_past_its_compute_peak_keeps_a_new_session_waiting_until_it_is_back_under():
+    """Admission by compute (server.compute.saturation, server.cache.queue.grants(saturated=...)): with cache room
+    to spare, a server whose fluid queue says it is past its peak grants nothing; the session's request waits in its
+    queue and is granted at the first tick after the queue is gone."""
+    kind = SpeedClass("cpu", 1.0, 1.0, 4, 65_536)
+    world = World(Scenario(servers=1, blocks=4, duration=600.0, warmup=100.0, join_period=1.0, churn=0.0,
+                           burst_fraction=0.0, clients=1, classes=(kind,), placements=((0, 4),), seed=1, **ONE_REGION))
+    queue_in_front = {"overload": 3.0}
+    solve = world.fluid.solve
+
+    def solve_with_a_queue(dt: float, iterations: int = 2) -> None:  # as if other sessions kept it past its peak
+        solve(dt, iterations)
+        world.fluid.overload[0] = queue_in_front["overload"]
+
+    world.fluid.solve = solve_with_a_queue  # type: ignore[method-assign]
+    world.start()
+    world.q.run_until(30.0)
+    (server,) = world.servers
+    assert server.state == "online" and not world.sessions and world.policy.admits_by_compute
+    t = 30.0
+    while not server.queue and t < 60.0:  # the client starts at warmup / 2 and asks for cache
+        t += 0.05
+        world.q.run_until(t)
+    (session,) = world.sessions.values()
+    (leg,) = session.legs
+    world.q.run_until(t + 2.0)
+    assert not leg.granted and server.cache_free == kind.cache_tokens and server.queue  # held, with room to spare
+    queue_in_front["overload"] = 1.0  # back under its peak: the next tick lets the session in
+    world.q.run_until(t + 2.0 + 2 * world.scenario.tick)
+    assert leg.granted and not server.queue and server.cache_free < kind.cache_tokens
