@@ -18,7 +18,7 @@ demo: install
 	$(VENV)/bin/corolla demo
 
 # the default tiers (unit + swarm), then the 15 slowest tests: three pytest workers (pytest-xdist) on 2 cores, each
-# taking whole files, as most tests wait on servers, the DHT and timeouts more than they compute (6:37-6:52 against
+# taking whole files, as most tests wait on servers, the DHT and timeouts more than they compute (6:34-6:52 against
 # 7:40-8:29 for two workers and 12:50 for one, on a quiet machine)
 test: install
 	$(VENV_PYTHON) -m pytest -n 3 --dist loadfile --durations=15
