@@ -237,8 +237,8 @@ class World:
         self.fluid.solve(dt)
         if self.policy.admits_by_compute:  # a server back under its peak lets the sessions waiting for it in
             for server in self.servers:
-                if server.queue and server.alive and not srv.saturated(self, server):
-                    srv.grant(self, server)
+                if server.queue and server.alive:
+                    srv.grant(self, server)  # (nothing while it is still saturated)
         present = [x for x in self.servers if x.alive and x.state not in ("starting",)]
         bound = sum(x.kind.speed for x in present) * self.curve.peak / self.scenario.blocks
         busy = self.fluid.demand[: len(self.servers)] > 0
