@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from corolla.dht.lookup import lookup_supported
 from corolla.dht.model_index import MODEL_INDEX_KEY, IndexEntry, ModelRecord
 from corolla.dht.record_storage import MAX_RECORD_LIFETIME
+from corolla.dht.replicas import ReplicaSet
 from corolla.protocol.messages import ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -53,12 +54,15 @@ def block_key(prefix: str, block: int) -> str:
 
 
 async def announce_blocks(
-    dht: DHTNode, prefix: str, peer_id: str, info: ServerInfo, expiration_s: float, model: ModelRecord | None = None
+    dht: DHTNode, prefix: str, peer_id: str, info: ServerInfo, expiration_s: float, model: ModelRecord | None = None,
+    replicas: ReplicaSet | None = None,
 ) -> bool:
     """Store `info` under every block of info's range (subkey `peer_id`: the node's own, the only one it can sign
     for), and `model` (if given) as this server's entry in the swarm's model index (see dht.model_index), in one DHT
     round; returns True when every block record was stored (the index entry is best effort: a full index must not
-    make a server re-announce in a loop). `expiration_s` is capped at the longest lifetime DHT nodes accept."""
+    make a server re-announce in a loop). `expiration_s` is capped at the longest lifetime DHT nodes accept.
+    `replicas`: store where the last announce stored, without a DHT search (dht.replicas; a server's announcer keeps
+    one); without it, hivemind's store_many searches for the nearest nodes of every key."""
     if expiration_s > MAX_RECORD_LIFETIME:
         logger.warning("record expiration %.0fs capped at %.0fs (DHT nodes refuse longer ones)", expiration_s,
                        MAX_RECORD_LIFETIME)
@@ -68,10 +72,14 @@ async def announce_blocks(
     if model is not None:
         keys.append(MODEL_INDEX_KEY)
         values.append(IndexEntry(prefix=prefix, **model.model_dump()).model_dump(mode="json"))
-    results = await dht.store_many(keys, values, expiration, subkeys=[peer_id] * len(keys))
-    if model is not None and not results.get((MODEL_INDEX_KEY, peer_id), False):
+    if replicas is not None:
+        results = await replicas.store(dht, keys, values, expiration, peer_id)
+    else:
+        stored = await dht.store_many(keys, values, expiration, subkeys=[peer_id] * len(keys))
+        results = {key: ok for (key, _), ok in stored.items()}
+    if model is not None and not results.get(MODEL_INDEX_KEY, False):
         logger.debug("the model index entry was not stored")
-    return all(ok for (key, _), ok in results.items() if key != MODEL_INDEX_KEY)
+    return all(ok for key, ok in results.items() if key != MODEL_INDEX_KEY)
 
 
 async def fetch_block_servers(

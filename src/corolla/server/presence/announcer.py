@@ -16,6 +16,7 @@ from hivemind.dht.node import DHTNode
 
 from corolla.dht.model_index import ModelRecord
 from corolla.dht.records import announce_blocks
+from corolla.dht.replicas import ReplicaSet
 from corolla.protocol.messages import ServerInfo
 
 logger = logging.getLogger(__name__)
@@ -49,13 +50,15 @@ class Announcer:
         self.period = period
         self.expiration = expiration
         self.model = model
+        self.replicas = ReplicaSet()  # where the last announce stored each record (stored there again, no search)
         self._wake = asyncio.Event()
         self.failures = 0  # consecutive failed periodic announces
 
     async def announce(self) -> bool:
         """Store the current record under every hosted block; True when every store succeeded."""
         info = self.make_info()
-        ok = await announce_blocks(self.dht, self.prefix, self.peer_id, info, self.expiration, self.model)
+        ok = await announce_blocks(self.dht, self.prefix, self.peer_id, info, self.expiration, self.model,
+                                   replicas=self.replicas)
         logger.debug(
             "announced state=%s blocks=%d:%d free_tokens=%d ok=%s",
             info.state.value,
@@ -71,7 +74,9 @@ class Announcer:
         self._wake.set()
 
     async def announce_soon(self) -> None:
-        """refresh_soon() as a coroutine (a callback of SwarmWatch.on_rejoined)."""
+        """refresh_soon() as a coroutine (a callback of SwarmWatch.on_rejoined): after an outage the nodes that
+        held our records may be gone, so every key is searched for again."""
+        self.replicas.forget()
         self.refresh_soon()
 
     async def run(self) -> None:
