@@ -113,6 +113,18 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def io_bytes(pid: int) -> int | None:
+    """Bytes a process read and wrote through system calls (/proc/PID/io rchar + wchar). For a server's p2pd: every
+    byte of its DHT and RPC traffic twice, once between the peers and once through the control socket to its Python
+    process (sent: Python -> p2pd -> wire; received: wire -> p2pd -> Python), so half of it is the wire's in + out."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            fields = dict(line.split(":") for line in f)
+        return int(fields["rchar"]) + int(fields["wchar"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def children(pid: int) -> list[int]:
     found = []
     try:
@@ -311,6 +323,7 @@ class Coverage:
     def __init__(self, peers: list[str], prefix: str, blocks: int, period: float):
         self.peers, self.prefix, self.blocks, self.period = peers, prefix, blocks, period
         self.samples: list[dict] = []
+        self.lookups: list[tuple[float, float]] = []  # (when, seconds) of a DHT lookup of every block's records
         self.errors = 0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -324,12 +337,19 @@ class Coverage:
 
     def _run(self) -> None:
         from corolla.client.event_loop import run_sync
+        from corolla.dht import fetch_block_servers
         from corolla.monitor.collect import collect_state
         from corolla.monitor.source import join_swarm
 
         node = run_sync(join_swarm(self.peers), timeout=60)
         try:
             while not self._stop.is_set():
+                turn = begin = time.monotonic()
+                try:  # a lookup as a client's view refresh does it, timed alone
+                    run_sync(fetch_block_servers(node.dht, self.prefix, range(self.blocks)), timeout=60)
+                    self.lookups.append((begin, time.monotonic() - begin))
+                except Exception:  # noqa: BLE001
+                    self.errors += 1
                 begin = time.monotonic()
                 try:
                     state = run_sync(collect_state(node, models={self.prefix: self.blocks}, ping_timeout=3.0,
@@ -343,7 +363,7 @@ class Coverage:
                         "load1": os.getloadavg()[0]})
                 except Exception:  # noqa: BLE001
                     self.errors += 1
-                self._stop.wait(max(0.0, self.period - (time.monotonic() - begin)))
+                self._stop.wait(max(0.0, self.period - (time.monotonic() - turn)))
         finally:
             run_sync(node.shutdown(), timeout=30)
 
@@ -355,12 +375,15 @@ class Coverage:
                 any_s += b["t"] - a["t"]
                 block_s += (b["t"] - a["t"]) * len(a["uncovered"])
         latencies = [s["latency"] for s in samples]
+        lookups = [seconds for when, seconds in self.lookups if when >= since]
         spreads = [max(s["coverage"]) - min(s["coverage"]) for s in samples if s["coverage"]]
         return {"samples": len(samples), "errors": self.errors, "any_block_uncovered_s": round(any_s, 1),
                 "uncovered_block_seconds": round(block_s, 1),
                 "samples_with_uncovered": sum(1 for s in samples if s["uncovered"]),
                 "status_latency_s": {"p50": pct(latencies, 0.5), "p99": pct(latencies, 0.99),
                                      "max": round(max(latencies), 3) if latencies else None},
+                "dht_lookup_s": {"p50": pct(lookups, 0.5), "p99": pct(lookups, 0.99),
+                                 "max": round(max(lookups), 3) if lookups else None, "count": len(lookups)},
                 "coverage_spread_p50": pct(spreads, 0.5),
                 "mem_available_mb_min": min((s["mem_available_mb"] for s in samples), default=None),
                 "load1_p50": pct([s["load1"] for s in samples], 0.5),
@@ -371,6 +394,23 @@ class Coverage:
             if s["t"] >= since and not s["uncovered"]:
                 return round(s["t"] - since, 1)
         return None
+
+
+def time_status_cli(peers: list[str], prefix: str, blocks: int, env: dict[str, str], runs: int = 3) -> dict:
+    """`corolla status --json` as a user runs it (a fresh interpreter: imports, its own DHT node, the look), `runs`
+    times: wall seconds p50 / max, and the servers it saw online at the last run."""
+    seconds, online = [], None
+    for _ in range(runs):
+        begin = time.monotonic()
+        argv = [sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", peers[0], "--dht-prefix", prefix,
+                "--num-blocks", str(blocks), "--json"]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        seconds.append(time.monotonic() - begin)
+        try:
+            online = json.loads(done.stdout)["servers_online"] if done.returncode == 0 else None
+        except (ValueError, KeyError):
+            online = None
+    return {"s_p50": pct(seconds, 0.5), "s_max": round(max(seconds), 2), "servers_online": online}
 
 
 def free_port() -> int:
@@ -446,7 +486,7 @@ def run(args: argparse.Namespace) -> dict:
                 else:
                     peers += [m for m in local.initial_peers if m not in peers]
             local.initial_peers = peers
-            log(f"bootstrap peers: {len(boots)}")
+            log(f"bootstrap peers: {len(boots)}: {' '.join(peers)}")
 
             if args.dht_peers:  # a fresh interpreter: its imports overlap the servers' start
                 helper = Helper(["--role", "dht-peers", "--count", str(args.dht_peers), "--peers", ",".join(peers)], env,
@@ -493,16 +533,30 @@ def run(args: argparse.Namespace) -> dict:
             log(f"startup: {result['startup']}")
             # idle: CPU, RSS and descriptors with no traffic
             idle_from = {p.pid: cpu_seconds(p.pid) for p in ready}
+            p2pds = {p.pid: p2pd_of(p.pid) for p in ready}
+            io_from = {pid: io_bytes(p2pd) if p2pd else None for pid, p2pd in p2pds.items()}
+            p2pd_cpu_from = {pid: cpu_seconds(p2pd) if p2pd else None for pid, p2pd in p2pds.items()}
             time.sleep(args.idle_window)
+            p2pd_pct = [100 * (cpu_seconds(p2pd) - p2pd_cpu_from[pid]) / args.idle_window for pid, p2pd in p2pds.items()
+                        if p2pd and p2pd_cpu_from[pid] is not None and cpu_seconds(p2pd) is not None]
             idle_pct = [100 * (cpu_seconds(p.pid) - idle_from[p.pid]) / args.idle_window
                         for p in ready if cpu_seconds(p.pid) is not None and idle_from[p.pid] is not None]
+            io_to = {pid: io_bytes(p2pd) if p2pd else None for pid, p2pd in p2pds.items()}
+            wire_kb_min = [(io_to[pid] - io_from[pid]) / 2 / 1024 * 60 / args.idle_window for pid in p2pds
+                           if io_to[pid] is not None and io_from[pid] is not None]
             start_fds = {p.pid: (fd_count(p.pid), fd_count(p2pd_of(p.pid) or -1)) for p in ready}
             rss_start = [rss_mb(p.pid) for p in ready]
             uss_start = [uss_mb(p.pid) for p in ready]
             p2pd_rss_start = [rss_mb(p2pd_of(p.pid) or -1) for p in ready]
             result["idle"] = {"window_s": args.idle_window, "cpu_pct_per_server_p50": pct(idle_pct, 0.5),
+                              "p2pd_cpu_pct_p50": pct(p2pd_pct, 0.5),
+                              "wire_kib_per_server_per_min_p50": pct(wire_kb_min, 0.5),
+                              "wire_kib_per_server_per_min_max": round(max(wire_kb_min), 1) if wire_kb_min else None,
                               "cpu_pct_per_server_max": round(max(idle_pct), 2) if idle_pct else None,
                               "first_full_coverage_s": coverage.first_full(first_start)}
+            result["status_cli_idle"] = {**time_status_cli(peers, model_dht_prefix(model), args.blocks, env),
+                                         "servers_ready": len(ready)}
+            log(f"idle: {result['idle']}; corolla status: {result['status_cli_idle']}")
 
             def plain_peers() -> int:
                 return max((r["n"] for r in helpers[0].records if r.get("event") == "dht_peer"), default=0) \
@@ -628,6 +682,8 @@ def run(args: argparse.Namespace) -> dict:
             result["churn"] = {**events, "sigterm_exit_codes": sorted({str(c) for c in term_codes}),
                                "servers_started_in_all": len(servers)}
             time.sleep(args.idle_window)  # the swarm at rest again before the end readings
+            result["status_cli_end"] = {**time_status_cli(peers, model_dht_prefix(model), args.blocks, env),
+                                        "servers_alive": len(live())}
             result["coverage"] = {**coverage.summary(churn_start),
                                   "first_full_coverage_s": coverage.first_full(first_start)}
             coverage.stop()
