@@ -83,8 +83,8 @@ class ReplicaSet:
         if known:
             answers = await self._store_at(dht, known, records, expiration, subkey)
             for key_id, nodes in known.items():
-                if all(answers.get(node) is not None for node, _ in nodes):
-                    stored[key_id] = any(answers[node][key_id] for node, _ in nodes)
+                if all(answers[node, key_id] is not None for node, _ in nodes):
+                    stored[key_id] = any(answers[node, key_id] for node, _ in nodes)
                     self.direct += 1
                 else:  # a holder is gone: search again now
                     self._holders.pop(key_id, None)
@@ -98,29 +98,30 @@ class ReplicaSet:
         self.searches += len(key_ids)
         found = await dht.find_nearest_nodes(key_ids, k_nearest=dht.num_replicas + SPARE)
         candidates = {key_id: list(found.get(key_id, {}).items()) for key_id in key_ids}
-        chosen = {key_id: nodes[: dht.num_replicas] for key_id, nodes in candidates.items()}
-        answers = await self._store_at(dht, chosen, records, expiration, subkey)
+        tried = {key_id: nodes[: dht.num_replicas] for key_id, nodes in candidates.items()}
+        answers = await self._store_at(dht, tried, records, expiration, subkey)
+        silent = {node for (node, _), done in answers.items() if done is None}
         spares = {}
-        for key_id, nodes in chosen.items():
-            lost = sum(answers.get(node) is None for node, _ in nodes)
-            if lost:
-                spares[key_id] = candidates[key_id][dht.num_replicas: dht.num_replicas + lost]
+        for key_id, nodes in tried.items():
+            lost = sum(node in silent for node, _ in nodes)
+            spares[key_id] = [(node, peer) for node, peer in candidates[key_id][dht.num_replicas:]
+                              if node not in silent][:lost]
         if any(spares.values()):
             answers |= await self._store_at(dht, spares, records, expiration, subkey)
         result = {}
         for key_id in key_ids:
-            tried = chosen[key_id] + spares.get(key_id, [])
-            holders = [(node, peer) for node, peer in tried if answers.get(node) is not None]
-            result[key_id] = any(answers[node][key_id] for node, _ in holders)
+            holders = [(node, peer) for node, peer in tried[key_id] + spares[key_id]
+                       if answers[node, key_id] is not None]
+            result[key_id] = any(answers[node, key_id] for node, _ in holders)
             if holders:
                 self._holders[key_id] = _Holders(holders, time.monotonic() + self.refresh * self._rng.uniform(0.75, 1))
         return result
 
     async def _store_at(self, dht: DHTNode, nodes_of: dict[DHTID, list[tuple[DHTID, PeerID]]],
                         records: dict[DHTID, tuple[Any, bytes]], expiration: float, subkey: Any,
-                        ) -> dict[DHTID, dict[DHTID, bool] | None]:
-        """One store request per node, carrying every key it is to hold; per node, per key, whether it stored the
-        record (None: the node did not answer). This node stores its own share locally, as store_many does."""
+                        ) -> dict[tuple[DHTID, DHTID], bool | None]:
+        """One store request per node, carrying every key it is to hold; per (node, key), whether the node stored
+        the record (None: the node did not answer). This node stores its own share locally, as store_many does."""
         per_node: dict[DHTID, list[DHTID]] = {}
         peers: dict[DHTID, PeerID] = {}
         for key_id, nodes in nodes_of.items():
@@ -128,18 +129,20 @@ class ReplicaSet:
                 per_node.setdefault(node, []).append(key_id)
                 peers[node] = peer
 
-        async def one(node: DHTID) -> dict[DHTID, bool] | None:
+        async def one(node: DHTID) -> list[bool] | None:
             key_ids = per_node[node]
             if node == dht.node_id:
-                return {key_id: _store_locally(dht, key_id, records[key_id][1], expiration, subkey)
-                        for key_id in key_ids}
-            done = await dht.protocol.call_store(peers[node], keys=key_ids, values=[records[k][1] for k in key_ids],
+                return [_store_locally(dht, key_id, records[key_id][1], expiration, subkey) for key_id in key_ids]
+            return await dht.protocol.call_store(peers[node], keys=key_ids, values=[records[k][1] for k in key_ids],
                                                  expiration_time=expiration, subkeys=[subkey] * len(key_ids))
-            return None if done is None else dict(zip(key_ids, done))
 
         nodes = list(per_node)
         results = await asyncio.gather(*(one(node) for node in nodes))
-        return dict(zip(nodes, results))
+        answers: dict[tuple[DHTID, DHTID], bool | None] = {}
+        for node, done in zip(nodes, results):
+            for i, key_id in enumerate(per_node[node]):
+                answers[node, key_id] = None if done is None or i >= len(done) else bool(done[i])
+        return answers
 
 
 def _store_locally(dht: DHTNode, key_id: DHTID, sealed: bytes, expiration: float, subkey: Any) -> bool:
