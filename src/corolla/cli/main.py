@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.raiseExceptions = args.debug
     try:
         check_initial_peers(args)
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # every failure a user can meet: one line that says what to do (cli.errors)
@@ -60,6 +61,19 @@ def main(argv: list[str] | None = None) -> int:
         line, code = explain(e, args)
         print(f"corolla {args.command}: error: {line}", file=sys.stderr, flush=True)
         return code
+    if argv is None and getattr(args, "exit_at_once", False):  # the program itself, not a caller in this process
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> None:
+    """End the process without the interpreter's teardown. For a command that has released everything it holds
+    (`corolla status`: its DHT node and p2pd are shut down before it returns): unloading torch alone takes ~0.5 s,
+    a quarter of what the command costs."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
