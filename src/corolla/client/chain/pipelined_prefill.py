@@ -35,6 +35,9 @@ from corolla.protocol.codecs import encoded_bytes
 CHUNK_BYTES = 1 << 20  # bytes of hidden states per chunk on the wire (auto chunk size)
 MIN_CHUNK_TOKENS = 16
 MAX_CHUNKS = 16
+# a failover's replay goes in chunks of at most this many tokens x rows: the default ServerConfig.merge_max_tokens, the
+# longest step a server runs at decode priority (`replay_chunk_tokens`)
+REPLAY_CHUNK_TOKENS = 128
 
 
 def chunk_tokens(batch: int, length: int, hidden_size: int, codec: str, dtype: torch.dtype,
@@ -46,6 +49,23 @@ def chunk_tokens(batch: int, length: int, hidden_size: int, codec: str, dtype: t
     per_token = encoded_bytes(codec, (batch, 1, hidden_size), dtype)
     tokens = max(MIN_CHUNK_TOKENS, CHUNK_BYTES // max(per_token, 1), math.ceil(length / MAX_CHUNKS))
     return tokens if length >= 2 * tokens else None
+
+
+def replay_chunk_tokens(batch: int, length: int, tokens: int | None) -> int | None:
+    """Tokens per chunk for a failover's replay of `length` positions and `batch` rows, given what `chunk_tokens`
+    chose for it (`tokens`, None: whole): at most REPLAY_CHUNK_TOKENS // batch (at least 1); `tokens` as it is when the
+    replay is no longer than that.
+
+    A replay rebuilds a session whose other spans hold their caches, idle, until it is done. A server runs a step of
+    at most its merge_max_tokens (batch x tokens) as one task at decode priority, and a longer one at a lower
+    priority, between decode batches (server.compute.planner), so on a busy server a long replay waits behind
+    everybody's decoding: in a saturated simulated swarm about a sixth of the sessions were replaying at any time,
+    each holding the caches of ~9 servers (docs/benchmarks.md). Chunks that short run at decode priority; what that
+    costs the replaying server is the replay's own compute, taken from its decoding."""
+    cap = max(1, REPLAY_CHUNK_TOKENS // batch)
+    if length <= cap:
+        return tokens  # whole or in the prefill's own chunks, each short enough
+    return cap if tokens is None else min(tokens, cap)
 
 
 @dataclass(frozen=True)
