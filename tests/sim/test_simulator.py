@@ -136,6 +136,25 @@ def test_a_corolla_session_refused_on_one_span_closes_every_span_it_opened_and_r
     assert session.legs[0] is not opened and session.legs[0].span.start == 0  # the whole model routed again
 
 
+def test_every_server_that_refused_a_corolla_opening_is_banned_and_counts_as_one_failure():
+    """As client.chain.route_opening.count_refusals does: two of three spans find no room, so after the allocation
+    wait both full servers are banned and the next opening starts with two failures counted, not one."""
+    kind = SpeedClass("cpu", 1.0, 1.0, 2, 65_536)
+    world = World(Scenario(servers=3, blocks=6, duration=600.0, warmup=100.0, join_period=1.0, churn=0.0,
+                           burst_fraction=0.0, clients=1, classes=(kind,), placements=((0, 2), (2, 4), (4, 6)),
+                           seed=1, **ONE_REGION))
+    world.start()
+    world.q.run_until(30.0)
+    first, second, third = world.servers
+    second.cache_free = third.cache_free = 0
+    world.q.run_until(50.5)
+    (session,) = world.sessions.values()
+    world.q.run_until(50.5 + world.alloc_timeout)
+    assert set(session.bans) == {second.peer, third.peer}
+    again = session.legs[0].opening
+    assert again is not None and again.failures == 2 and session.legs[0].span.start == 0
+
+
 def test_a_replacement_span_failing_during_its_replay_counts_as_open_routes_own_failure():
     """A failover opens the replacement with open_route, which replays the tokens so far before it returns and
     counts failures of its own: a second crash during that replay does not use up the step's retries (a burst
@@ -197,3 +216,17 @@ def test_a_server_past_its_compute_peak_keeps_a_new_session_waiting_until_it_is_
     queue_in_front["overload"] = 1.0  # back under its peak: the next tick lets the session in
     world.q.run_until(t + 2.0 + 2 * world.scenario.tick)
     assert leg.granted and not server.queue and server.cache_free < kind.cache_tokens
+
+
+def test_a_corolla_replay_runs_at_decode_priority_and_a_long_prompt_in_the_prefill_backlog():
+    """client.chain.route_opening.replay sends a failover's history in chunks servers merge (decode priority): its
+    compute joins the server's merged prefills, not the backlog long prefills wait in; a long step sent whole does."""
+    world = World(Scenario(**SMALL))
+    world.start()  # the servers exist (none has joined yet: nothing else is in their backlogs)
+    tokens = world.merge_max_tokens * 4
+    world.prefill_visit(0, 8, tokens, chunked=True)
+    assert world.fluid.prefill_now[0] > 0 and world.fluid.prefill_work[0] == 0
+    world.prefill_visit(0, 8, tokens)
+    assert world.fluid.prefill_work[0] > 0
+    petals = World(Scenario(**SMALL, policy="petals"))
+    assert world.policy.replays_in_short_chunks and not petals.policy.replays_in_short_chunks

@@ -141,6 +141,7 @@ class PetalsPolicy:
     admits_by_compute = False  # a Petals server admits while its cache has room
     opens_at_once = False  # Petals opens a route's spans one after another and keeps the ones that opened
     load_aware = False
+    replays_in_short_chunks = False  # a Petals client replays a failed span's history whole
     announce_period = 60.0
     expiration = 120.0
     update_period = 60.0

@@ -51,6 +51,9 @@ class Policy(Protocol):
     load_aware: bool  # servers announce their load and clients price it
     # a server past its compute's peak grants no cache (server.compute.saturation): new sessions wait in its queue
     admits_by_compute: bool
+    # a failover's replay goes in chunks short enough for servers to run at decode priority (corolla's replay);
+    # else whole, a long prefill at the priority servers give long prefills
+    replays_in_short_chunks: bool
     announce_period: float
     expiration: float
     update_period: float
@@ -87,6 +90,7 @@ class CorollaPolicy:
     opens_at_once = True  # client.chain.route_opening.open_route
     admits_by_compute = True  # server.cache.queue.grants(saturated=...), server.compute.saturation
     load_aware = True
+    replays_in_short_chunks = True  # client.chain.route_opening.replay: chunks servers run at decode priority
 
     def __init__(self) -> None:
         self.server = defaults(ServerConfig)

@@ -322,8 +322,10 @@ def grant(w: World, server: SimServer, answer_now: str | None = None) -> bool:
         # and nothing while the server is past its peak
         return False
     queue = list(server.queue.values())
-    # what the queued requests' peers (sessions) hold here: all grants() looks up
-    held = {r.peer: server.sessions.get(int(r.peer), 0) for r in queue}
+    # what the queued requests' peers (sessions) hold here, all grants() looks up: only those holding something
+    # (grants() counts a peer it is not told of as holding nothing)
+    sessions = server.sessions
+    held = {str(sid): sessions[sid] for sid, _ in server.waiting.values() if sid in sessions}
     limit = peer_limit(server.kind.cache_tokens, w.policy_peer_share)
     owners = grants(server.cache_free, held, limit, queue, w.q.now, w.cache_patience)
     requests = [server.queue.pop(owner) for owner in owners]

@@ -195,7 +195,7 @@ def _settle(w: World, s: SimSession, leg: Leg) -> None:
         return
     _close(w, s, opening.legs)
     first = failed[0]
-    _after_failure(w, s, first, first.error or "crash", opening.legs, 0.0, opening)
+    _after_failure(w, s, first, first.error or "crash", opening.legs, 0.0, opening, failed)
 
 
 def _close(w: World, s: SimSession, legs: list[Leg]) -> None:
@@ -223,8 +223,9 @@ def _prefill(w: World, s: SimSession) -> None:
         seconds = w.legs_seconds(s) + w.scenario.client_overhead
     else:  # the new spans, each replayed by the client
         seconds = sum(w.rtt(s, w.servers[leg.server]) for leg in empty)
+    replay = len(empty) < len(s.legs) and w.policy.replays_in_short_chunks
     for leg in empty:
-        seconds += w.prefill_visit(leg.server, leg.span.length, tokens)
+        seconds += w.prefill_visit(leg.server, leg.span.length, tokens, chunked=replay)
     s.generation += 1
     w.q.after(seconds, _decode, w, s, s.generation)
 
@@ -317,24 +318,35 @@ def _leg_failed(w: World, s: SimSession, leg: Leg, kind: str) -> None:
 
 
 def _after_failure(w: World, s: SimSession, leg: Leg, kind: str, failed: list[Leg], extra: float,
-                   opening: Opening | None = None) -> None:
+                   opening: Opening | None = None, refused: list[Leg] | None = None) -> None:
     """The client's `after_failure` and backoff for a failure of `leg` with `kind`: count it, give up or ban its
     server, and route the blocks of `failed` again after the retry delay (+ `extra` seconds). A failure of an
-    `opening` counts as open_route counts it (its own attempts, from 0 for each span it replaces); one of the route
-    that is open, as the step that found it does (`s.failures`, until a step goes through); either way, over the
-    client's max_retries the session fails."""
-    server = w.servers[leg.server]
-    error = ERRORS[kind]()
-    unreachable = isinstance(error, PeerUnreachable)
+    `opening` counts as open_route counts it (its own attempts, from 0 for each span it replaces): every span of it
+    that `refused` to open (in route order, `leg` first; their `error`s) is one failure and its server banned,
+    as client.chain.route_opening.count_refusals does; one of the route that is open, as the step that found it
+    does (`s.failures`, until a step goes through); either way, over the client's max_retries the session fails."""
     if opening is None:
+        error = ERRORS[kind]()
+        unreachable = isinstance(error, PeerUnreachable)
         s.failures += 0 if unreachable else 1
-        count, carried = s.failures, 0  # the replacement is a fresh open_route
+        count = s.failures
+        faults = [(leg, kind, unreachable)]
     else:
-        count = carried = opening.failures + (0 if unreachable else 1)
-    if w.policy.gives_up(count) or _stalled_too_long(w, s):
+        count = opening.failures
+        faults = [(each, each.error or kind, isinstance(ERRORS[each.error or kind](), PeerUnreachable))
+                  for each in (refused or [leg])]
+    if _stalled_too_long(w, s):
         _fail(w, s, kind)
         return
-    s.bans[server.peer] = w.policy.ban(s.bans.get(server.peer), w.q.now, unreachable)
+    for each, why, unreachable in faults:  # after_failure, once per refusal: count, give up, or ban
+        if opening is not None:
+            count += 0 if unreachable else 1
+        if w.policy.gives_up(count):
+            _fail(w, s, why)
+            return
+        peer = w.servers[each.server].peer
+        s.bans[peer] = w.policy.ban(s.bans.get(peer), w.q.now, unreachable)
+    carried = 0 if opening is None else count  # a fresh open_route replaces an open route's span
     w.q.after(w.policy.retry_delay(count) + extra, _route, w, s, failed, carried)
 
 

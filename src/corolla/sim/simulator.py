@@ -162,15 +162,16 @@ class World:
             seconds += self.wan.rtt(a.region, a.access, b.region, b.access) / 2
         return seconds
 
-    def prefill_visit(self, server_id: int, blocks: int, tokens: int) -> float:
+    def prefill_visit(self, server_id: int, blocks: int, tokens: int, chunked: bool = False) -> float:
         """Seconds a prefill of `tokens` tokens spends at a server over `blocks` blocks; its compute joins the
-        server's prefill backlog (the fluid model's prefill share)."""
+        server's prefill backlog (the fluid model's prefill share). `chunked`: the client sends it in chunks each
+        short enough to be merged (a failover's replay, client.chain.route_opening.replay), all at decode priority."""
         server, f = self.servers[server_id], self.fluid
         seconds = self._prefill_seconds.get(tokens)
         if seconds is None:  # at speed 1, once per length (numpy's interpolation of one number is slow)
             seconds = self._prefill_seconds[tokens] = self.cost.prefill_seconds(tokens)
         work = blocks * (seconds / server.kind.speed)
-        if tokens <= self.merge_max_tokens:  # one merged task at decode priority (server.compute.planner)
+        if tokens <= self.merge_max_tokens or chunked:  # merged tasks at decode priority (server.compute.planner)
             f.prefill_now[server_id] += work
             return work / max(float(f.avail[server_id]), MIN_PREFILL_SHARE) + f.wait[server_id] + \
                 self.scenario.hop_overhead
@@ -236,9 +237,12 @@ class World:
                 ses.finish(self, session, when)
         self.fluid.solve(dt)
         if self.policy.admits_by_compute:  # a server back under its peak lets the sessions waiting for it in
-            for server in self.servers:
+            # (nothing while it is still saturated: those are skipped, as grant() would; a grant changes no overload)
+            under = np.flatnonzero(self.fluid.overload[: len(self.servers)] <= 1.0).tolist()
+            for index in under:
+                server = self.servers[index]
                 if server.queue and server.alive:
-                    srv.grant(self, server)  # (nothing while it is still saturated)
+                    srv.grant(self, server)
         present = [x for x in self.servers if x.alive and x.state not in ("starting",)]
         bound = sum(x.kind.speed for x in present) * self.curve.peak / self.scenario.blocks
         busy = self.fluid.demand[: len(self.servers)] > 0
