@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -28,18 +29,31 @@ async def read_free(reader, server_id: str, blocks: range) -> list[int | None]:
     return [by_peer[server_id].cache_tokens_free if server_id in by_peer else None for by_peer in found]
 
 
+@asynccontextmanager
+async def dht_nodes(count: int):
+    """A bootstrap node and `count` more DHT nodes joined through it (all shut down at the end); yields the list,
+    which the test may extend with nodes to shut down too."""
+    boot = await create_swarm_node()
+    nodes = [boot]
+    try:
+        peers = await boot.maddrs()
+        for _ in range(count):
+            nodes.append(await create_swarm_node(peers))
+        yield nodes
+    finally:
+        for node in reversed(nodes):
+            await node.shutdown()
+
+
 @pytest.mark.timeout(180)
 def test_announces_store_at_the_known_holders_and_search_again_only_when_needed():
     async def run() -> None:
-        boot = await create_swarm_node()
-        nodes = [boot]
-        try:
-            peers = await boot.maddrs()
-            for _ in range(6):
-                nodes.append(await create_swarm_node(peers))
+        async with dht_nodes(6) as nodes:
+            peers = await nodes[0].maddrs()
             server = await create_swarm_node(peers)
+            nodes.append(server)
             reader = await create_swarm_node(peers, client_mode=True)
-            nodes += [server, reader]
+            nodes.append(reader)
             replicas = ReplicaSet(rng=random.Random(0))
 
             # the first announce searches for every key; readers find it
@@ -74,9 +88,6 @@ def test_announces_store_at_the_known_holders_and_search_again_only_when_needed(
                                          replicas=replicas)
             assert replicas.searches == searches + 5
             assert await read_free(reader, server.peer_id, range(2, 5)) == [400] * 3
-        finally:
-            for node in reversed(nodes):
-                await node.shutdown()
 
     asyncio.run(run())
 
@@ -84,12 +95,8 @@ def test_announces_store_at_the_known_holders_and_search_again_only_when_needed(
 @pytest.mark.timeout(120)
 def test_holders_are_searched_for_again_after_the_refresh_time():
     async def run() -> None:
-        boot = await create_swarm_node()
-        nodes = [boot]
-        try:
-            peers = await boot.maddrs()
-            nodes.append(await create_swarm_node(peers))
-            server = await create_swarm_node(peers)
+        async with dht_nodes(1) as nodes:
+            server = await create_swarm_node(await nodes[0].maddrs())
             nodes.append(server)
             replicas = ReplicaSet(refresh=0.2, rng=random.Random(1))
             assert await announce_blocks(server.dht, PREFIX, server.peer_id, record(900, 0, 2), 300, replicas=replicas)
@@ -98,8 +105,5 @@ def test_holders_are_searched_for_again_after_the_refresh_time():
             await asyncio.sleep(0.3)
             assert await announce_blocks(server.dht, PREFIX, server.peer_id, record(700, 0, 2), 300, replicas=replicas)
             assert (replicas.searches, replicas.direct) == (4, 2)
-        finally:
-            for node in reversed(nodes):
-                await node.shutdown()
 
     asyncio.run(run())
