@@ -554,10 +554,10 @@ def run(args: argparse.Namespace) -> dict:
             io_to = {pid: io_bytes(p2pd) if p2pd else None for pid, p2pd in p2pds.items()}
             wire_kb_min = [(io_to[pid] - io_from[pid]) / 2 / 1024 * 60 / args.idle_window for pid in p2pds
                            if io_to[pid] is not None and io_from[pid] is not None]
-            start_fds = {p.pid: (fd_count(p.pid), fd_count(p2pd_of(p.pid) or -1)) for p in ready}
+            start_fds = {p.pid: (fd_count(p.pid), fd_count(p2pds[p.pid] or -1)) for p in ready}
             rss_start = [rss_mb(p.pid) for p in ready]
             uss_start = [uss_mb(p.pid) for p in ready]
-            p2pd_rss_start = [rss_mb(p2pd_of(p.pid) or -1) for p in ready]
+            p2pd_rss_start = [rss_mb(p2pds[p.pid] or -1) for p in ready]
             result["idle"] = {"window_s": args.idle_window, "cpu_pct_per_server_p50": pct(idle_pct, 0.5),
                               "p2pd_cpu_pct_p50": pct(p2pd_pct, 0.5),
                               "wire_kib_per_server_per_min_p50": pct(wire_kb_min, 0.5),

@@ -22,7 +22,6 @@ What a store returns per key is what store_many returns: True when at least one 
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from dataclasses import dataclass
@@ -32,8 +31,6 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
-
-logger = logging.getLogger(__name__)
 
 REFRESH = 300.0  # seconds after which a key's holders are searched for again (at the latest)
 SPARE = 3  # nodes found beyond num_replicas per key, tried when a nearer one does not answer

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from corolla.protocol.messages import ServerState
 from corolla.server.cache.queue import CacheRequest, grants, peer_limit
 from corolla.server.presence.rebalancing import WATCH_HOLDERS, WATCH_READS, Move, uncovered, with_own
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from corolla.sim.simulator import World
 
 MAX_SETTLES = 3  # re-choices before loading, at most
+PAST_PEAK = 1.0  # the fluid model's overload (demand over the peak rate) past which a server's compute is saturated
 
 
 @dataclass(eq=False)
@@ -298,7 +301,14 @@ def saturated(w: World, server: SimServer) -> bool:
     """The server's compute is past its peak (server.compute.saturation), under a policy that admits by compute: in
     the fluid model, a queue in front of it (its steps wait behind full batches). Then server.cache.queue.grants
     (saturated=True) grants nothing, which `request_cache` and `grant` apply as a shortcut."""
-    return w.policy.admits_by_compute and bool(w.fluid.overload[server.id] > 1.0)
+    return w.policy.admits_by_compute and bool(w.fluid.overload[server.id] > PAST_PEAK)
+
+
+def under_peak(w: World) -> list[int]:
+    """The ids of the servers `saturated` says are not (by the same rule, over every server at once)."""
+    if not w.policy.admits_by_compute:
+        return list(range(len(w.servers)))
+    return np.flatnonzero(w.fluid.overload[: len(w.servers)] <= PAST_PEAK).tolist()
 
 
 def request_cache(w: World, server: SimServer, session_id: int, leg: int, tokens: int) -> bool:

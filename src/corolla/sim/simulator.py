@@ -238,8 +238,7 @@ class World:
         self.fluid.solve(dt)
         if self.policy.admits_by_compute:  # a server back under its peak lets the sessions waiting for it in
             # (nothing while it is still saturated: those are skipped, as grant() would; a grant changes no overload)
-            under = np.flatnonzero(self.fluid.overload[: len(self.servers)] <= 1.0).tolist()
-            for index in under:
+            for index in srv.under_peak(self):
                 server = self.servers[index]
                 if server.queue and server.alive:
                     srv.grant(self, server)
