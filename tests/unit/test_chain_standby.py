@@ -3,7 +3,8 @@
 With standby=1 every span gets a second server of its blocks, fed every accepted input off the critical path. A
 crashed primary is replaced by its standby, promoted with no history replayed, and the outputs stay exact; a span
 nobody else holds runs without one (counted); a standby whose answers differ from its primary's starts a dispute
-of the spot checks instead of convicting anyone; closing the session frees every standby's cache (the fixture).
+of the spot checks instead of convicting anyone; a standby whose reader did not stop is not promoted (it could read the
+stream the chain reads); closing the session frees every standby's cache (the fixture).
 """
 
 from __future__ import annotations
@@ -233,3 +234,45 @@ def test_a_lying_standby_is_convicted_as_a_lying_primary_is_through_the_standby_
         assert torch.equal(out, expected)
     finally:
         swarm.close()
+
+
+def test_a_standby_whose_reader_did_not_stop_is_not_promoted_and_the_span_is_replayed_instead(swarm, monkeypatch):
+    """A standby is promoted only once its reader has ended: one still running (its cancellations lost, as
+    asyncio.wait_for on Python < 3.12 can lose one) could read the stream the chain then reads too."""
+    import asyncio
+
+    from corolla.client.chain import standby as standby_module
+
+    monkeypatch.setattr(standby_module, "STOP_TIMEOUT", 0.05)  # the reader never stops, however long it is given
+    release = asyncio.Event()
+    real_read = standby_module.Standby._read
+
+    async def stubborn_read(self):
+        try:
+            await real_read(self)
+        except asyncio.CancelledError:
+            while not release.is_set():
+                try:
+                    await release.wait()
+                except asyncio.CancelledError:
+                    pass  # lost
+            raise
+
+    monkeypatch.setattr(standby_module.Standby, "_read", stubborn_read)
+    chunks = [inputs(3), inputs(1, 1), inputs(1, 2)]
+    try:
+        with swarm.session(standby=1) as session:
+            out = [session.step(chunks[0])]
+            wait_for_standbys(session)
+            primary = session.route[1].peer_id
+            swarm.crash(primary)
+            out += [session.step(chunks[1]), session.step(chunks[2])]
+            assert session.route[1].peer_id != primary
+            assert session.standby_promotions == 0
+    finally:
+        run_sync(_set(release))
+    torch.testing.assert_close(torch.cat(out, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+
+
+async def _set(event) -> None:
+    event.set()

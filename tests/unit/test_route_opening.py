@@ -1,14 +1,20 @@
-"""client.chain.route_opening.count_refusals: how open_route counts an opening that several servers refused."""
+"""client.chain.route_opening: how open_route counts an opening that several servers refused (count_refusals), how
+short a replay's chunks are, and how a replay whose pushes failed unlinks its fresh spans."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from corolla.client.chain.pass_pipe import PipeFailed
 from corolla.client.chain.route_opening import count_refusals
 from corolla.client.config import ClientConfig
 from corolla.client.swarm.routing import Span
 from corolla.client.swarm.sequence_manager import SequenceManager
-from corolla.protocol.errors import AllocationFailed, PeerUnreachable, RemoteError
+from corolla.protocol.errors import AllocationFailed, PeerUnavailable, PeerUnreachable, RemoteError
 
 
 def make_manager(max_retries: int = 5) -> SequenceManager:
@@ -72,3 +78,55 @@ def test_the_replay_chunk_limit_is_the_servers_default_merge_limit():
     from corolla.server.config import ServerConfig
 
     assert REPLAY_CHUNK_TOKENS == ServerConfig.__dataclass_fields__["merge_max_tokens"].default
+
+
+class UnlinkedSpan:
+    """A fresh span of a replay, as `replay` unlinks it (SpanSession.set_push): fails at once, or answers once `gate`
+    opens; `unlinking` while its set_push runs."""
+
+    def __init__(self, gate: asyncio.Event, fails: bool = False):
+        self.gate, self.fails, self.unlinking = gate, fails, False
+
+    async def set_push(self, source, target, timeout: float) -> None:
+        self.unlinking = True
+        try:
+            if self.fails:
+                raise PeerUnavailable("server closed the stream")
+            await self.gate.wait()
+        finally:
+            self.unlinking = False
+
+
+def test_a_pipelined_replay_unlinks_every_fresh_span_before_it_goes_on_and_names_the_span_that_failed(monkeypatch):
+    """A push between fresh spans failed with nobody at fault: every span is unlinked before anything else uses their
+    streams (a set_push left waiting would be a second reader of its stream), and a span whose unlink failed is the
+    one the PipeFailed names (open_route bans it, not the route's first)."""
+    from corolla.client.chain import route_opening
+
+    async def pushed_in_vain(*args, **kwargs):
+        raise PipeFailed(1, PeerUnavailable("silent about a push"))  # culprit None: the replay goes by relay
+
+    monkeypatch.setattr(route_opening, "pipelined_push", pushed_in_vain)
+    chain = SimpleNamespace(config=ClientConfig(prefill_chunk_tokens=2), prompts=None,
+                            state=SimpleNamespace(replay_mask=lambda length: None))
+
+    async def scenario():
+        gate = asyncio.Event()
+        slow, failing = UnlinkedSpan(gate), UnlinkedSpan(gate, fails=True)
+
+        async def replay_and_look():
+            try:
+                await route_opening.replay(chain, [slow, failing], torch.zeros(1, 5, 8))  # type: ignore[arg-type]
+            except Exception as e:  # what replay raised, and whether an unlink was still running then
+                return e, slow.unlinking
+            raise AssertionError("the replay went on after its unlink failed")
+
+        replaying = asyncio.ensure_future(replay_and_look())
+        for _ in range(100):  # loop turns, no wall time: the failing unlink has long failed
+            await asyncio.sleep(0)
+        gate.set()  # the slow span answers
+        return await replaying
+
+    error, still_unlinking = asyncio.run(scenario())
+    assert not still_unlinking
+    assert isinstance(error, PipeFailed) and error.index == 1 and isinstance(error.error, PeerUnavailable)

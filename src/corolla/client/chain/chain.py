@@ -285,12 +285,23 @@ class Chain:
 
     # ------------------------------------------------------------------ the route
     async def fix_links(self) -> None:
-        """Send SetPush to every span whose push links differ from what the route needs (client.chain.push_route)."""
+        """Send SetPush to every span whose push links differ from what the route needs (client.chain.push_route),
+        all at once. Returns once every one has ended, answered or failed, and then raises the first failure in route
+        order (PeerUnavailable, RemoteError)."""
         assert self.spans is not None
         fixes = links_to_fix([s.hop() for s in self.spans])
-        await asyncio.gather(
-            *(self.spans[i].set_push(source, target, self.config.connect_timeout) for i, source, target in fixes)
+        # Not a plain gather: it raises at the first failure and leaves the other set_push still waiting for its
+        # answer, while the caller relays the step through those same spans: two readers of one stream, and asyncio's
+        # RuntimeError ("readexactly() called while another coroutine is already waiting for incoming data") failed
+        # the session. A failover's new links meet servers dying under churn: one end of a link fails at once, the
+        # other answers a round trip later.
+        results = await asyncio.gather(
+            *(self.spans[i].set_push(source, target, self.config.connect_timeout) for i, source, target in fixes),
+            return_exceptions=True,
         )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def replace_distrusted(self, position: int) -> None:
         """Replace every span served by a distrusted peer, replaying its kept inputs before `position` into a

@@ -141,7 +141,15 @@ async def replay(chain: Chain, opened: list[SpanSession], history: torch.Tensor)
                 raise
             # a push between two of the fresh spans failed, nobody proven at fault: unlink them and replay by relay
             logger.info("pipelined replay failed at span %d: %s; replaying whole", failed.index, failed.error)
-            await asyncio.gather(*(s.set_push(None, None, config.connect_timeout) for s in opened))
+            # every unlink ends before any span is stepped or closed (one reader per stream at a time), and one
+            # that failed names its span
+            unlinked = await asyncio.gather(*(s.set_push(None, None, config.connect_timeout) for s in opened),
+                                            return_exceptions=True)
+            for index, result in enumerate(unlinked):
+                if isinstance(result, (PeerUnavailable, RemoteError)):
+                    raise PipeFailed(index, result) from result
+                if isinstance(result, BaseException):
+                    raise result
             pipelined = False
         else:
             for session, x, out in zip(opened, inputs, inputs[1:]):

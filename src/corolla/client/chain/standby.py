@@ -94,6 +94,7 @@ class Standby:
         self.ready = False  # opened (and replayed into): every step fed from now on continues its cache
         self.idle = asyncio.Event()  # ready and behind == 0, or finished (failed, or no server found)
         self.error: Exception | None = None
+        self._workers: list[asyncio.Task[None]] = []  # its writer and reader, once ready (`_serve`)
         self.task = asyncio.ensure_future(self._run(exclude, replay))
 
     @property
@@ -140,6 +141,7 @@ class Standby:
         """Send what is fed and read the answers, concurrently, until cancelled or a failure."""
         self._maybe_idle()
         tasks = {asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())}
+        self._workers = list(tasks)
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -186,6 +188,12 @@ class Standby:
         ok = (self.error is None and self.ready and self.behind == 0 and self.session is not None
               and self.peer_id not in self.owner.chain.manager.distrusted)
         await cancel_and_wait([self.task], STOP_TIMEOUT)
+        if any(not task.done() for task in [self.task, *self._workers]):
+            # a task did not end: its reader may still be reading the session's stream, which the chain would then
+            # read too (one reader per stream at a time)
+            logger.warning("standby %s of blocks %d:%d did not stop; not promoted", self.peer_id,
+                           self.primary.span.start, self.primary.span.end)
+            ok = False
         if not ok:
             if self.error is None and self.session is not None:
                 self.owner.stats.lost += 1
