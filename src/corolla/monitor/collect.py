@@ -65,7 +65,9 @@ async def collect_state(
     tracker = tracker if tracker is not None else PeerTracker()
     index = await fetch_models(node.dht, prefer=tracker.live_models)
     wanted: Mapping[str, int | None] = models if models is not None else dict.fromkeys(index)
-    liveness = await _probe_announcers(node, index, wanted, tracker, ping_timeout)
+    # the probe ranks models and settles block counts; models asked for with their count are all read anyway
+    unsettled = wanted if models is None else {p: n for p, n in wanted.items() if n is None}
+    liveness = await _probe_announcers(node, index, unsettled, tracker, ping_timeout) if unsettled else {}
     counts = {p: n if n is not None or p not in index else settle_claim(p, index[p], liveness).num_blocks
               for p, n in wanted.items()}
     priority = {prefix: len(index) - rank for rank, prefix in enumerate(index)}  # the most announced first
@@ -85,7 +87,9 @@ async def collect_state(
         per_model[prefix] = await fetch_block_servers(node.dht, prefix, range(keys), prefer=known)
     peers = {peer for per_block in per_model.values() for by_peer in per_block for peer in by_peer}
     pinged = sorted(peers - set(liveness), key=lambda peer: (peer not in known, peer))[:MAX_PINGS]
-    liveness |= await ping_servers(node.p2p, pinged, ping_timeout, max_pings)
+    announced = {peer: info.maddrs for per_block in per_model.values() for by_peer in per_block
+                 for peer, info in by_peer.items()}
+    liveness |= await ping_servers(node.p2p, pinged, ping_timeout, max_pings, maddrs=announced)
     now = time.time()
     views = []
     for prefix in sorted(per_model):
