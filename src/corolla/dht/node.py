@@ -11,7 +11,9 @@ How a node meets the network (all off the defaults' path to the internet: no IPF
 - `use_relay`: dial peers through libp2p circuit relays when they announce relayed addresses;
   `relay_service`: be such a relay for others (this node must be publicly reachable);
   `relays`: this node accepts no inbound connections (behind a NAT): reserve a relayed address at these public
-  peers and announce it (see the README, "Across real networks", for what the bundled p2pd needs for that);
+  peers and announce it (see the README, "Across real networks", for what the bundled p2pd needs for that). Such a
+  node's DHT runs in client mode: it asks and stores, but is not put in others' routing tables, where every lookup
+  that chose it would wait out a timeout dialling it;
 - `swarm_key`: a private swarm: every DHT RPC is MAC'ed with the key, and the node answers membership challenges
   (see corolla.membership); `node.gate.authorize(peer_id)` tells whether a peer holds the key.
 
@@ -189,7 +191,8 @@ async def create_swarm_node(
             gate = MembershipGate(p2p, swarm_key)
         authorizer = SwarmKeyAuthorizer(swarm_key) if swarm_key is not None else None
         try:
-            dht = await DHTNode.create(p2p=p2p, initial_peers=peers or None, client_mode=client_mode, num_workers=4,
+            dht = await DHTNode.create(p2p=p2p, initial_peers=peers or None, client_mode=client_mode or bool(relays),
+                                       num_workers=4,
                                        authorizer=authorizer, record_validator=SignedRecordValidator(key),
                                        cache_size=CACHE_KEYS)
         except RuntimeError as e:
@@ -209,7 +212,7 @@ async def create_swarm_node(
     logger.debug(
         "dht node started peer_id=%s client_mode=%s private=%s relays=%d",
         node.peer_id,
-        client_mode,
+        dht.protocol.client_mode,
         gate is not None,
         len(relays),
     )
