@@ -15,6 +15,7 @@ and real InferenceSessions over it. Nothing here sleeps or polls: a step is as f
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -142,10 +143,17 @@ class InProcessSwarm:
             block = server.stack.end
         return x
 
-    def caches_free(self) -> bool:
-        """Every live server's whole cache is free (every session it had was closed)."""
-        return all(s.allocator.budget.free == s.allocator.budget.total
-                   for s in self.servers if s.peer_id not in self.crashed)
+    def caches_free(self, wait: float = 10.0) -> bool:
+        """Every live server's whole cache is free (every session it had was closed), within `wait` seconds: a
+        server releases a session's cache when its stream ends, a moment after the client closed it (on a loaded
+        machine, more than a moment)."""
+        deadline = time.monotonic() + wait
+        while True:
+            free = all(s.allocator.budget.free == s.allocator.budget.total
+                       for s in self.servers if s.peer_id not in self.crashed)
+            if free or time.monotonic() >= deadline:
+                return free
+            time.sleep(0.02)
 
     def push_frames_held(self) -> dict[str, int]:
         """Bytes of pushed frames each live server still holds (server.rpc.push_budget), once the steps running

@@ -104,7 +104,8 @@ class SpanSession:
     ) -> SpanSession:
         """Open a session on span's server with push links `source` / `target` (`secret`: the one `target` names);
         `standby`: as a standby replica (client.chain.standby), which the server drops first when short of cache."""
-        connection = await Connection.open(manager.node.p2p, span.peer_id, "inference", config.connect_timeout)
+        connection = await Connection.open(manager.node.p2p, span.peer_id, "inference",
+                                           manager.open_timeout(span.peer_id))
         try:
             await connection.send(
                 OpenSession(

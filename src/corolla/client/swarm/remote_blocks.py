@@ -232,7 +232,7 @@ class RemoteBlocks:
         self, peer_id: str, verb: str, request: ForwardRequest | BackwardRequest, tensors: dict[str, Tensor]
     ):
         config = self.manager.config
-        connection = await Connection.open(self.manager.node.p2p, peer_id, verb, config.connect_timeout)
+        connection = await Connection.open(self.manager.node.p2p, peer_id, verb, self.manager.open_timeout(peer_id))
         try:
             await connection.send(request, tensors, request.codec)
             return await connection.receive(config.request_timeout)

@@ -37,6 +37,8 @@ from corolla.protocol.messages import ErrorCode, ServerInfo, ServerState
 logger = logging.getLogger(__name__)
 
 # Server errors that a different server may not have; anything else (bad_request, session_full) is the caller's.
+OPEN_TIMEOUT_RTTS = 20.0  # a stream to a server of known round trip gets this many round trips to open...
+OPEN_TIMEOUT_FLOOR = 2.0  # ...and at least this many seconds (open_timeout)
 RETRYABLE_CODES = {
     ErrorCode.TIMEOUT.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.INTERNAL.value, ErrorCode.SERVER_FULL.value,
     ErrorCode.NOT_SERVED.value, ErrorCode.PEER_LIMIT.value,  # a server past its per-peer limits: another one may not be
@@ -156,6 +158,17 @@ class SequenceManager:
         sample = measured_speed(seconds, self.rtts.get(peer_id), blocks, tokens)
         if sample is not None:
             self.speeds[peer_id] = smooth(self.speeds.get(peer_id), sample)
+
+    def open_timeout(self, peer_id: str) -> float:
+        """Seconds a new stream to `peer_id` may take to open: `connect_timeout`, or for a server whose round trip
+        was measured OPEN_TIMEOUT_RTTS round trips (at least OPEN_TIMEOUT_FLOOR). A host cut off the network, or gone
+        without a word, never refuses: each open of a stream to it would wait the whole `connect_timeout` (10 s), in
+        the middle of a failover. A timeout cut short this way is PeerUnreachable as any other: the server is skipped
+        for `unreachable_ban`, and the ban is lifted as soon as it answers a ping again (`_ping`)."""
+        rtt = self.rtts.get(peer_id)
+        if rtt is None:
+            return self.config.connect_timeout
+        return min(self.config.connect_timeout, max(OPEN_TIMEOUT_FLOOR, OPEN_TIMEOUT_RTTS * rtt))
 
     def _announced_maddrs(self, peer_id: str) -> tuple[str, ...]:
         for servers in self.block_servers:
