@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 DHT_SHUTDOWN_TIMEOUT = 5.0  # seconds
 CONNECT_TIMEOUT = 10.0  # seconds one explicit dial may take
+# a client-mode node's DHT requests in flight at once (a full node keeps hivemind's 4): its bootstrap search asks the
+# same nodes sooner (joining took 0.75-0.85 s instead of 1.0-1.4 s over 45-72 ms round trips); see dht.lookup
+READER_WORKERS = 32
 
 
 @dataclass(eq=False)
@@ -192,7 +195,7 @@ async def create_swarm_node(
         authorizer = SwarmKeyAuthorizer(swarm_key) if swarm_key is not None else None
         try:
             dht = await DHTNode.create(p2p=p2p, initial_peers=peers or None, client_mode=client_mode or bool(relays),
-                                       num_workers=4,
+                                       num_workers=READER_WORKERS if client_mode or relays else 4,
                                        authorizer=authorizer, record_validator=SignedRecordValidator(key),
                                        cache_size=CACHE_KEYS)
         except RuntimeError as e:

@@ -20,6 +20,7 @@ gives the model's count (`settle_claim`); with no answer at all, the index's ord
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Collection, Mapping
@@ -63,7 +64,23 @@ async def collect_state(
     server's failure; DHT errors propagate.
     """
     tracker = tracker if tracker is not None else PeerTracker()
-    index = await fetch_models(node.dht, prefer=tracker.live_models)
+    index_read = asyncio.ensure_future(fetch_models(node.dht, prefer=tracker.live_models))
+    try:
+        return await _collect(node, models, ping_timeout, max_pings, refresh_period, tracker, max_block_reads,
+                              read_time, index_read)
+    finally:
+        index_read.cancel()
+
+
+async def _collect(node: SwarmNode, models: Mapping[str, int | None] | None, ping_timeout: float, max_pings: int,
+                   refresh_period: float, tracker: PeerTracker, max_block_reads: int, read_time: float,
+                   index_read: asyncio.Future) -> SwarmState:
+    if models is not None and all(n is not None for n in models.values()):
+        # models asked for with their block counts are all read, whatever the index says: it is read meanwhile, for
+        # the models' types only (one DHT lookup less in the way)
+        index: Mapping[str, IndexedModel] = {}
+    else:
+        index = await index_read
     wanted: Mapping[str, int | None] = models if models is not None else dict.fromkeys(index)
     # the probe ranks models and settles block counts; models asked for with their count are all read anyway
     unsettled = wanted if models is None else {p: n for p, n in wanted.items() if n is None}
@@ -90,6 +107,8 @@ async def collect_state(
     announced = {peer: info.maddrs for per_block in per_model.values() for by_peer in per_block
                  for peer, info in by_peer.items()}
     liveness |= await ping_servers(node.p2p, pinged, ping_timeout, max_pings, maddrs=announced)
+    if not index:
+        index = await index_read
     now = time.time()
     views = []
     for prefix in sorted(per_model):
