@@ -129,6 +129,10 @@ class InProcessSwarm:
         """An InferenceSession over every block (a new manager with `config` unless one is given)."""
         return InferenceSession(manager or self.manager(**config), max_length, batch_size)
 
+    def partition(self, peer_id: str) -> None:
+        """The server's host is cut off: it keeps running, silent (clients see no error, only no answer)."""
+        self.p2p.partition(peer_id)
+
     def crash(self, peer_id: str) -> None:
         """The server vanishes at once, as a killed process does (clients find out when they next use it)."""
         self.crashed.add(peer_id)

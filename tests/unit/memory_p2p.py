@@ -4,7 +4,8 @@ peer (what `ConnectionHandler.register` calls) and `call_binary_stream_handler` 
 what a server's push pool calls to reach the next server), each stream a pair of in-memory pipes. A handler name a
 peer has not registered fails as p2pd's does ("protocols not supported"), which Connection turns into
 PeerUnreachable. `crash(peer)` makes a peer vanish as a killed process does: its handlers are gone and every stream
-it serves ends at once.
+it serves ends at once. `partition(peer)` cuts it off as a pulled cable does: nothing it sends or is sent arrives, no
+stream ends, and a new stream to or from it never opens.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ class MemoryWriter:
     def __init__(self, peer_reader: asyncio.StreamReader) -> None:
         self._peer = peer_reader
         self._closed = False
+        self.silent = False  # cut off (MemoryP2P.partition): what is written, and the end of stream, never arrive
 
     def write(self, data: bytes) -> None:
         if self._closed:
             raise ConnectionResetError("stream closed")
-        self._peer.feed_data(data)
+        if not self.silent:
+            self._peer.feed_data(data)
 
     async def drain(self) -> None:
         if self._closed:
@@ -38,7 +41,8 @@ class MemoryWriter:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._peer.feed_eof()
+            if not self.silent:
+                self._peer.feed_eof()
 
     def is_closing(self) -> bool:
         return self._closed
@@ -56,6 +60,7 @@ class MemoryP2P:
         self.streams: list[asyncio.Task[None]] = []  # one per stream: the handler serving it
         self._served: dict[str, list[tuple[asyncio.Task[None], MemoryWriter, MemoryWriter]]] = {}  # by server
         self._opened: dict[str, list[tuple[MemoryWriter, MemoryWriter]]] = {}  # streams by the peer that opened them
+        self._cut: set[str] = set()  # peers partitioned off
 
     def peer(self, peer_id: str) -> SimpleNamespace:
         """One peer's side of the P2P: its registration calls (what ConnectionHandler.register gets) and streams it
@@ -78,6 +83,8 @@ class MemoryP2P:
 
     async def _call(self, caller: PeerID, peer_id: PeerID, name: str):
         target = peer_id.to_base58()
+        if target in self._cut or caller.to_base58() in self._cut:
+            await asyncio.Event().wait()  # a dial into (or out of) a cut-off host never completes
         handler = self._handlers.get((target, name))
         if handler is None:
             raise RuntimeError(f"failed to negotiate protocol: protocols not supported: [{name}]")
@@ -102,3 +109,12 @@ class MemoryP2P:
         for server_writer, client_writer in self._opened.pop(peer_id, []):  # its pushes to others end too
             server_writer.close()
             client_writer.close()
+
+    def partition(self, peer_id: str) -> None:
+        """`peer_id` is cut off the network, as by a pulled cable: every stream it serves or opened goes silent both
+        ways (no data, no end of stream: the other side just waits), and no new stream to or from it opens."""
+        self._cut.add(peer_id)
+        for _, server_writer, client_writer in self._served.get(peer_id, []):
+            server_writer.silent = client_writer.silent = True
+        for server_writer, client_writer in self._opened.get(peer_id, []):
+            server_writer.silent = client_writer.silent = True

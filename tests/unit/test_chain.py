@@ -141,10 +141,21 @@ def test_a_replay_sends_back_one_position_and_goes_in_pipelined_chunks_when_push
         swarm.close()
 
 
+def slow_down(swarm, peer_id: str) -> None:
+    """Each of the server's steps is answered SLOW_STEP_SECONDS late (the `slow` fault): passes submitted one after
+    another are all in flight at once, however loaded the machine (else the first may be answered before the third
+    is sent)."""
+    server = swarm.by_peer(peer_id)
+    faults = FaultInjector(server.handler.parts.compute, "slow", 5.0)
+    server.handler.parts.compute = server.handler.parts.faults = faults
+    faults.arm()
+
+
 def test_passes_in_flight_are_answered_in_order_and_a_cancelled_one_is_dropped(swarm):
     with swarm.session() as session:
         first = session.step(inputs(4))  # opens the route: later steps can be kept in flight
         assert session.can_pipeline
+        slow_down(swarm, session.route[0].peer_id)
         a, b, c = (session.submit(inputs(1, seed)) for seed in (1, 2, 3))
         assert session.most_in_flight == 3
         assert (a.position, b.position, c.position) == (4, 5, 6) and session.position == 7
@@ -160,6 +171,7 @@ def test_passes_in_flight_are_answered_in_order_and_a_cancelled_one_is_dropped(s
 def test_a_crash_with_passes_in_flight_redoes_the_unanswered_ones(swarm):
     with swarm.session() as session:
         outputs = [session.step(inputs(3))]
+        slow_down(swarm, session.route[0].peer_id)
         handles = [session.submit(inputs(1, seed)) for seed in (1, 2, 3)]
         assert session.most_in_flight == 3
         dead = session.route[1].peer_id

@@ -24,7 +24,8 @@ import logging
 import statistics
 import time
 from collections import deque
-from typing import Protocol
+from collections.abc import Awaitable
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -34,11 +35,14 @@ from corolla.client.chain.pipelined_prefill import chunk_tokens, pipelined_push
 from corolla.client.chain.push_route import can_push, links_to_fix
 from corolla.client.chain.route_opening import close_spans, open_route
 from corolla.client.chain.span_session import BadAnswer, PushFailed, SpanSession, pushed_by
+from corolla.client.chain.stall_watch import overdue_after, watched
 from corolla.client.chain.standby import StandbyJudge, Standbys, StandbyStats
 from corolla.client.chain.steps import Step, StepIds
 from corolla.client.config import ClientConfig
 from corolla.client.swarm.sequence_manager import SequenceManager
 from corolla.protocol.errors import PeerUnavailable, RemoteError
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +124,12 @@ class Chain:
         spans = self.spans or []
         return any((a.span.peer_id, b.span.peer_id) in self.cut_links for a, b in zip(spans, spans[1:]))
 
+    async def watch(self, span: SpanSession, answer: Awaitable[T]) -> T:
+        """`answer`, a wait for `span`'s answer to a step, its server checked once the answer is overdue: a server
+        gone silent (cut off the network) is PeerUnavailable within seconds, not `request_timeout`
+        (client.chain.stall_watch)."""
+        return await watched(answer, self.manager, span.span.peer_id, overdue_after(self.step_latency))
+
     @property
     def step_latency(self) -> float | None:
         """The median time, in seconds, from sending a step to its answer over the recent steps; None before any."""
@@ -170,9 +180,9 @@ class Chain:
             mark = time.perf_counter()  # routing: what each span added to the step (SequenceManager.observe)
             while index < len(spans):
                 pushed = None if index == 0 else pushed_by(spans[index - 1], inputs[index], step.mask, step.last)
-                inputs.append(await spans[index].receive(inputs[index], self.config.request_timeout, pushed,
-                                                         step.position, step.hypo_ids,
-                                                         answer=step.answer(index, len(spans))))
+                inputs.append(await self.watch(spans[index], spans[index].receive(
+                    inputs[index], self.config.request_timeout, pushed, step.position, step.hypo_ids,
+                    answer=step.answer(index, len(spans)))))
                 now = time.perf_counter()
                 self.manager.observe(spans[index].span.peer_id, now - mark, spans[index].span.length,
                                      step.hidden.shape[0] * step.hidden.shape[1])

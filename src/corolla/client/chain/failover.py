@@ -52,8 +52,8 @@ async def relay(chain: Chain, step: Step, index: int, failed: Exception | None =
                 error, failed = failed, None
                 raise error
             begin = time.perf_counter()  # routing: the span's measured time (SequenceManager.observe)
-            out = await span.step(x, step.position, chain.config.request_timeout, step.mask, step.hypo_ids,
-                                  step.answer(index, len(spans)))
+            out = await chain.watch(span, span.step(x, step.position, chain.config.request_timeout, step.mask,
+                                                    step.hypo_ids, step.answer(index, len(spans))))
             chain.manager.observe(span.span.peer_id, time.perf_counter() - begin, span.span.length,
                                   x.shape[0] * x.shape[1])
         except (PeerUnavailable, RemoteError) as e:
@@ -99,8 +99,8 @@ async def _relay_unpushed(chain: Chain, step: Step, index: int, error: Exception
     assert spans is not None
     span, pusher = spans[index], spans[index - 1]
     try:
-        out = await span.step(step.hidden, step.position, chain.config.request_timeout, step.mask, step.hypo_ids,
-                              step.answer(index, len(spans)))
+        out = await chain.watch(span, span.step(step.hidden, step.position, chain.config.request_timeout, step.mask,
+                                                step.hypo_ids, step.answer(index, len(spans))))
     except (PeerUnavailable, RemoteError) as e:
         return await relay(chain, step, index, e)
     link = (pusher.span.peer_id, span.span.peer_id)
