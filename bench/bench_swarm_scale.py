@@ -1,10 +1,14 @@
 """A real swarm at scale, under churn: N `corolla serve` processes, 100+ DHT peers, C client sessions.
 
-Everything runs on loopback (127.0.0.1) on this one machine: real `corolla serve` and `corolla dht` processes (forked
-from one process that has imported the package already, tests/server_zygote.py, so that 48 servers do not each pay
-~3.5 s of CPU for their imports), real hivemind DHT nodes and p2pd daemons, the real protocol. It does not use
-corolla.netemu's emulated hosts (no latency between peers): on a 2-core machine the user-space switch and 48
-interpreters started inside namespaces cost more than the swarm itself (see docs/benchmarks.md).
+Real `corolla serve` and `corolla dht` processes (forked from one process that has imported the package already,
+tests/server_zygote.py, so that 48 servers do not each pay ~3.5 s of CPU for their imports), real hivemind DHT nodes
+and p2pd daemons, the real protocol, on this one machine: on loopback (127.0.0.1) by default, or with `--hosts H` on
+corolla.netemu's emulated hosts (root only): H server hosts plus one for the bootstrap peers (and the coverage
+sampler and `corolla status`), one for the plain DHT peers and one per client process, each host's link a random
+one-way delay so that any two hosts are `--rtt-ms LO:HI` apart (round trip); the last `--private-hosts` server hosts
+accept no inbound connections (behind a NAT) and their servers reserve relayed addresses through the bootstrap
+peers, which run as relays (with extra relays up to the 4 the bundled p2pd wants). Every packet then crosses the
+switch, a Python process on the same 2 cores (see docs/benchmarks.md).
 
 What runs:
 - 2 bootstrap peers (`corolla dht --identity ... --port ...`, so a replacement comes back at the same multiaddr);
@@ -17,7 +21,9 @@ What runs:
   model's greedy output for the same prompt;
 - churn for `--duration` seconds: every `--churn-period` seconds a server is SIGKILLed (its whole process group,
   p2pd included), SIGTERMed (a clean stop) or a new one starts (keeping about N); at 40% a burst of a quarter of the
-  live servers is SIGKILLed at once; at 60% a bootstrap peer is SIGKILLed and restarted 3 s later.
+  live servers is SIGKILLed at once; at 60% a bootstrap peer is SIGKILLed and restarted 3 s later. With `--hosts`,
+  a churn turn may instead cut a server host off the network for `--partition-s` seconds (its cable pulled: its
+  servers keep running, unreachable, then come back).
 
 Measured (one JSON object on stdout; progress on stderr): sessions finished / failed / unfinished, HF-equal outputs,
 failovers (client.chain.failover.replace_span calls, counted in the clients) and their stall, seconds with any
@@ -29,6 +35,7 @@ codes, and processes left in their process groups (orphan p2pd) afterwards.
 
     python bench/bench_swarm_scale.py --servers 8 --clients 4 --duration 60       # ~3 minutes
     python bench/bench_swarm_scale.py                                              # 48 servers, 32 clients
+    sudo python bench/bench_swarm_scale.py --hosts 8 --servers 24 --clients 16     # on 8 emulated server hosts
 """
 
 from __future__ import annotations
@@ -244,6 +251,20 @@ def client_main(args: argparse.Namespace) -> int:
     os._exit(0)  # whatever the models' loops left behind must not keep the process waiting
 
 
+def coverage_main(args: argparse.Namespace) -> int:
+    """The coverage sampler on an emulated host: one JSON line per sample, lookup or failed reading, until stdin
+    closes."""
+    def emit(record: dict) -> None:
+        print(json.dumps(record), flush=True)
+
+    coverage = Coverage(args.peers.split(","), args.prefix, args.count, args.period, emit=emit)
+    coverage.start()
+    sys.stdin.read()
+    coverage.stop()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def dht_peers_main(args: argparse.Namespace) -> int:
     """`--count` plain DHT nodes (each its own p2pd) in one asyncio loop, until stdin closes or SIGTERM."""
     import asyncio
@@ -261,7 +282,7 @@ def dht_peers_main(args: argparse.Namespace) -> int:
                 if stop.is_set():
                     break
                 try:
-                    nodes.append(await create_swarm_node(args.peers.split(","), host="127.0.0.1"))
+                    nodes.append(await create_swarm_node(args.peers.split(","), host=args.listen))
                 except Exception as e:  # noqa: BLE001 (a bootstrap that did not answer in time, on a loaded machine)
                     print(json.dumps({"event": "dht_peer_failed", "error": f"{type(e).__name__}: {e}"[:200]}),
                           flush=True)
@@ -280,8 +301,11 @@ def dht_peers_main(args: argparse.Namespace) -> int:
 class Helper:
     """This script in another role, in its own process group; its stdout's JSON lines collected."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], stderr: IO[str] | None = None):
-        self.popen = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv], stdout=subprocess.PIPE,
+    def __init__(self, argv: list[str], env: dict[str, str], stderr: IO[str] | None = None,
+                 netns: str | None = None):
+        prefix = ["ip", "netns", "exec", netns] if netns else []  # on an emulated host
+        self.popen = subprocess.Popen([*prefix, sys.executable, str(Path(__file__).resolve()), *argv],
+                                      stdout=subprocess.PIPE,
                                       stderr=stderr if stderr is not None else subprocess.DEVNULL,
                                       stdin=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self.records: list[dict] = []
@@ -321,22 +345,54 @@ class Helper:
 
 # ------------------------------------------------------------------------------------------- the swarm
 class Coverage:
-    """collect_state every `period` seconds in a thread: seconds with any block uncovered, block-seconds, latency."""
+    """collect_state every `period` seconds in a thread: seconds with any block uncovered, block-seconds, latency.
 
-    def __init__(self, peers: list[str], prefix: str, blocks: int, period: float):
+    With `helper` (an emulated host's, `--role coverage`), the sampling runs there and this object reads its records;
+    `emit` (in that helper) prints each record as it is taken."""
+
+    def __init__(self, peers: list[str], prefix: str, blocks: int, period: float, helper: Helper | None = None,
+                 emit=None):
         self.peers, self.prefix, self.blocks, self.period = peers, prefix, blocks, period
-        self.samples: list[dict] = []
-        self.lookups: list[tuple[float, float]] = []  # (when, seconds) of a DHT lookup of every block's records
-        self.errors = 0
+        self.helper, self.emit = helper, emit
+        self._samples: list[dict] = []
+        self._lookups: list[tuple[float, float]] = []  # (when, seconds) of a DHT lookup of every block's records
+        self._errors = 0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
+    @property
+    def samples(self) -> list[dict]:
+        if self.helper is None:
+            return self._samples
+        return [r for r in list(self.helper.records) if r.get("event") == "sample"]
+
+    @property
+    def lookups(self) -> list[tuple[float, float]]:
+        if self.helper is None:
+            return self._lookups
+        return [(r["t"], r["seconds"]) for r in list(self.helper.records) if r.get("event") == "lookup"]
+
+    @property
+    def errors(self) -> int:
+        if self.helper is None:
+            return self._errors
+        return sum(1 for r in list(self.helper.records) if r.get("event") == "sample_error")
+
     def start(self) -> None:
-        self.thread.start()
+        if self.helper is None:
+            self.thread.start()
 
     def stop(self) -> None:
+        if self.helper is not None:
+            self.helper.stop(grace=60)
+            return
         self._stop.set()
         self.thread.join(timeout=60)
+
+    def _error(self) -> None:
+        self._errors += 1
+        if self.emit:
+            self.emit({"event": "sample_error"})
 
     def _run(self) -> None:
         from corolla.client.event_loop import run_sync
@@ -350,22 +406,26 @@ class Coverage:
                 turn = begin = time.monotonic()
                 try:  # a lookup as a client's view refresh does it, timed alone
                     run_sync(fetch_block_servers(node.dht, self.prefix, range(self.blocks)), timeout=60)
-                    self.lookups.append((begin, time.monotonic() - begin))
+                    self._lookups.append((begin, time.monotonic() - begin))
+                    if self.emit:
+                        self.emit({"event": "lookup", "t": begin, "seconds": self._lookups[-1][1]})
                 except Exception:  # noqa: BLE001
-                    self.errors += 1
+                    self._error()
                 begin = time.monotonic()
                 try:
                     state = run_sync(collect_state(node, models={self.prefix: self.blocks}, ping_timeout=3.0,
                                                    max_pings=64), timeout=60)
                     view = state.models[0] if state.models else None
-                    self.samples.append({
+                    self._samples.append({
                         "t": time.monotonic(), "latency": time.monotonic() - begin,
                         "uncovered": list(view.uncovered_blocks) if view else list(range(self.blocks)),
                         "coverage": list(view.coverage) if view else [0] * self.blocks,
                         "online": view.servers_online if view else 0, "mem_available_mb": mem_available_mb(),
                         "load1": os.getloadavg()[0]})
+                    if self.emit:
+                        self.emit({"event": "sample", **self._samples[-1]})
                 except Exception:  # noqa: BLE001
-                    self.errors += 1
+                    self._error()
                 self._stop.wait(max(0.0, self.period - (time.monotonic() - turn)))
         finally:
             run_sync(node.shutdown(), timeout=30)
@@ -399,13 +459,72 @@ class Coverage:
         return None
 
 
-def time_status_cli(peers: list[str], prefix: str, blocks: int, env: dict[str, str], runs: int = 3) -> dict:
+class Hosts:
+    """The emulated hosts of a `--hosts H` run (corolla.netemu): `boot` (bootstrap peers and relays, the coverage
+    sampler, `corolla status`), `peers` (the plain DHT peers), `c0`.. (one per client process) and `h0`..`h{H-1}`
+    (the servers, taken in turn). Each host's link gets a one-way delay drawn in [LO/4, HI/4], so that two hosts are
+    2 x (their delays' sum), within [LO, HI], apart; the last `private` server hosts accept no inbound connections."""
+
+    def __init__(self, count: int, client_procs: int, rtt_ms: tuple[float, float], private: int,
+                 rng: random.Random):
+        from corolla.netemu import EmulatedNetwork, can_emulate
+
+        possible, why = can_emulate()
+        if not possible:
+            raise SystemExit(f"--hosts needs emulated hosts: {why}")
+        self.servers = [f"h{i}" for i in range(count)]
+        self.clients = [f"c{i}" for i in range(client_procs)]
+        names = ["boot", "peers", *self.clients, *self.servers]
+        low, high = rtt_ms
+        self.delays = {name: rng.uniform(low, high) / 4000 for name in names}
+        self.private = self.servers[count - private:] if private else []
+        self.net = EmulatedNetwork(names, delays=self.delays, private=self.private)
+        self.cut: set[str] = set()  # server hosts now partitioned
+        self._turn = 0
+
+    def netns(self, host: str) -> str:
+        return self.net.namespace(host)
+
+    def next_server_host(self) -> str:
+        host = self.servers[self._turn % len(self.servers)]
+        self._turn += 1
+        return host
+
+    def partition(self, host: str, seconds: float) -> None:
+        """Pull `host`'s cable for `seconds` (a timer puts it back)."""
+        self.net.set_link(host, up=False)
+        self.cut.add(host)
+
+        def heal() -> None:
+            try:
+                self.net.set_link(host, up=True)
+            except (RuntimeError, ValueError):  # the network closed first
+                pass
+            self.cut.discard(host)
+        timer = threading.Timer(seconds, heal)
+        timer.daemon = True
+        timer.start()
+
+    def describe(self) -> dict:
+        rtts = [2000 * (self.delays[a] + self.delays[b]) for i, a in enumerate(self.servers)
+                for b in self.servers[i + 1:]]
+        return {"network": "emulated hosts", "server_hosts": len(self.servers), "private_hosts": self.private,
+                "server_rtt_ms": {"min": round(min(rtts), 1) if rtts else None,
+                                  "p50": pct(rtts, 0.5), "max": round(max(rtts), 1) if rtts else None}}
+
+    def close(self) -> None:
+        self.net.close()
+
+
+def time_status_cli(peers: list[str], prefix: str, blocks: int, env: dict[str, str], runs: int = 3,
+                    netns: str | None = None) -> dict:
     """`corolla status --json` as a user runs it (a fresh interpreter: imports, its own DHT node, the look), `runs`
-    times: wall seconds p50 / max (a run past STATUS_TIMEOUT counts as that long), and the servers it saw online at
-    the last run that answered."""
+    times, on the emulated host of `netns` if given: wall seconds p50 / max (a run past STATUS_TIMEOUT counts as that
+    long), and the servers it saw online at the last run that answered."""
     seconds, online, timeouts = [], None, 0
-    argv = [sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", peers[0], "--dht-prefix", prefix,
-            "--num-blocks", str(blocks), "--json"]
+    prefix_argv = ["ip", "netns", "exec", netns] if netns else []
+    argv = [*prefix_argv, sys.executable, "-m", "corolla.cli.main", "status", "--initial-peers", peers[0],
+            "--dht-prefix", prefix, "--num-blocks", str(blocks), "--json"]
     for _ in range(runs):
         begin = time.monotonic()
         try:
@@ -462,6 +581,11 @@ def run(args: argparse.Namespace) -> dict:
     own_zygote = server_zygote._client is None  # under pytest the session's zygote is shared: leave it running
     server_zygote.start()
     result: dict = {"config": {k: v for k, v in vars(args).items() if k != "role"}, "network": "loopback"}
+    hosts = None
+    if args.hosts:
+        low, high = (float(v) for v in args.rtt_ms.split(":"))
+        hosts = Hosts(args.hosts, max(1, min(args.client_procs, args.clients)), (low, high), args.private_hosts, rng)
+        result["network"] = hosts.describe()
     with tempfile.TemporaryDirectory(prefix="swarm-scale-") as tmp:
         tmp_path = Path(tmp)
         model = str(tmp_path / "tiny-llama")
@@ -471,20 +595,30 @@ def run(args: argparse.Namespace) -> dict:
         log_file = open(tmp_path / "swarm.log", "w") if not args.log else open(args.log, "w")
 
         class Swarm(LocalSwarm):
+            netns: str | None = None  # the emulated host the next process starts on (None: loopback)
+
             def _start_process(self, argv: list[str]):
-                return server_zygote.start_corolla(argv, self.env)
+                return server_zygote.start_corolla(argv, self.env, self.netns)
 
         local = Swarm(env={"COROLLA_CACHE": str(tmp_path / "cache")}, log_file=log_file)
         helpers: list[Helper] = []
         coverage: Coverage | None = None
         all_pgids: set[int] = set()
+        listen = ["--host", "0.0.0.0"] if hosts else []  # on an emulated host: its own address, not loopback
+        boot_ns = hosts.netns("boot") if hosts else None
+
+        def reachable(maddrs: list[str]) -> list[str]:  # a peer's multiaddrs that other hosts can dial
+            return [m for m in maddrs if f"/ip4/{hosts.net.address('boot')}/" in m] if hosts else list(maddrs)
         try:
             # bootstrap peers, each with an identity and a port, so that a replacement has the same multiaddr
             boot_specs = [(str(tmp_path / f"boot{i}.key"), free_port()) for i in range(args.bootstraps)]
 
+            relay = ["--relay"] if hosts and hosts.private else []
+
             def start_boot(i: int) -> LocalProcess:
                 key, port = boot_specs[i]
-                local.start_dht(args=["--port", str(port), "--identity", key], timeout=120)
+                local.netns = boot_ns
+                local.start_dht(args=["--port", str(port), "--identity", key, *listen, *relay], timeout=120)
                 all_pgids.add(local.processes[-1].pid)
                 return local.processes[-1]
 
@@ -492,30 +626,45 @@ def run(args: argparse.Namespace) -> dict:
             for i in range(args.bootstraps):
                 boots.append(start_boot(i))
                 if i == 0:
-                    peers = list(local.initial_peers)
+                    peers = reachable(local.initial_peers)
                 else:
-                    peers += [m for m in local.initial_peers if m not in peers]
+                    peers += [m for m in reachable(local.initial_peers) if m not in peers]
+            relays = list(peers) if relay else []
+            for _ in range(max(0, 4 - args.bootstraps) if relay else 0):  # the bundled p2pd reserves at once with 4
+                local.start_dht(args=[*listen, *relay, "--initial-peers", ",".join(peers)], timeout=120)
+                all_pgids.add(local.processes[-1].pid)
+                relays += reachable(local.initial_peers)[:1]
             local.initial_peers = peers
-            log(f"bootstrap peers: {len(boots)}: {' '.join(peers)}")
+            log(f"bootstrap peers: {len(boots)}: {' '.join(peers)}" + (f"; relays: {len(relays)}" if relays else ""))
 
             if args.dht_peers:  # a fresh interpreter: its imports overlap the servers' start
-                helper = Helper(["--role", "dht-peers", "--count", str(args.dht_peers), "--peers", ",".join(peers)], env,
-                                log_file)
+                helper = Helper(["--role", "dht-peers", "--count", str(args.dht_peers), "--peers", ",".join(peers),
+                                 "--listen", "0.0.0.0" if hosts else "127.0.0.1"], env, log_file,
+                                netns=hosts.netns("peers") if hosts else None)
                 helpers.append(helper)
                 all_pgids.add(helper.popen.pid)
             servers: list[LocalProcess] = []
             fixed_count = round(args.servers * args.fixed_fraction)
             fixed_starts = [round(i * (args.blocks - args.span) / max(1, fixed_count - 1)) for i in range(fixed_count)]
             server_args = ["--num-threads", "1", "--announce-period", str(args.announce_period),
-                           "--max-session-length", "512", "--throughput", "100"]
+                           "--max-session-length", "512", "--throughput", "100", *listen]
             joins: list[float] = []
             counter = [0]
+            host_of: dict[int, str] = {}  # server pid -> its emulated host
 
             def start_server(fixed: int | None = None) -> LocalProcess:
                 counter[0] += 1
                 blocks = (["--blocks", f"{fixed}:{fixed + args.span}"] if fixed is not None
                           else ["--num-blocks", str(args.span)])
-                proc = local.start_server(model, [*blocks, *server_args], name=f"s{counter[0]}", wait=False)
+                extra: list[str] = []
+                if hosts:
+                    host = hosts.next_server_host()
+                    local.netns = hosts.netns(host)
+                    if host in hosts.private:
+                        extra = ["--relays", *relays]
+                proc = local.start_server(model, [*blocks, *server_args, *extra], name=f"s{counter[0]}", wait=False)
+                if hosts:
+                    host_of[proc.pid] = host
                 all_pgids.add(proc.pid)
                 servers.append(proc)
                 begin = time.monotonic()
@@ -527,7 +676,13 @@ def run(args: argparse.Namespace) -> dict:
                 return proc
 
             first_start = time.monotonic()
-            coverage = Coverage(peers, model_dht_prefix(model), args.blocks, args.sample_period)
+            sampler = None
+            if hosts:  # the sampler must be on a host to reach the others
+                sampler = Helper(["--role", "coverage", "--peers", ",".join(peers), "--prefix", model_dht_prefix(model),
+                                  "--count", str(args.blocks), "--period", str(args.sample_period)], env, log_file,
+                                 netns=boot_ns)
+                all_pgids.add(sampler.popen.pid)
+            coverage = Coverage(peers, model_dht_prefix(model), args.blocks, args.sample_period, helper=sampler)
             coverage.start()
             for i in range(args.servers):
                 start_server(fixed_starts[i] if i < fixed_count else None)
@@ -564,7 +719,8 @@ def run(args: argparse.Namespace) -> dict:
                               "wire_kib_per_server_per_min_max": round(max(wire_kb_min), 1) if wire_kb_min else None,
                               "cpu_pct_per_server_max": round(max(idle_pct), 2) if idle_pct else None,
                               "first_full_coverage_s": coverage.first_full(first_start)}
-            result["status_cli_idle"] = {**time_status_cli(peers, model_dht_prefix(model), args.blocks, env),
+            result["status_cli_idle"] = {**time_status_cli(peers, model_dht_prefix(model), args.blocks, env,
+                                                           netns=boot_ns),
                                          "servers_ready": len(ready)}
             log(f"idle: {result['idle']}; corolla status: {result['status_cli_idle']}")
 
@@ -582,7 +738,8 @@ def run(args: argparse.Namespace) -> dict:
             clients = [Helper(["--role", "client", "--model", model, "--peers", ",".join(peers), "--threads", str(n),
                                "--expected", str(tmp_path / "expected.json"), "--deadline", str(churn_deadline),
                                "--new-tokens", str(args.new_tokens), "--missing-blocks-wait",
-                               str(args.missing_blocks_wait)], env, log_file) for n in per if n]
+                               str(args.missing_blocks_wait)], env, log_file,
+                              netns=hosts.netns(hosts.clients[i]) if hosts else None) for i, n in enumerate(per) if n]
             helpers += clients
             all_pgids.update(c.popen.pid for c in clients)
             log(f"{args.clients} client sessions in {len(clients)} processes; {plain} plain DHT peers; warm-up "
@@ -590,7 +747,8 @@ def run(args: argparse.Namespace) -> dict:
             time.sleep(args.warmup)
 
             # churn
-            events = {"sigkill": 0, "sigterm": 0, "started": 0, "burst_killed": 0, "bootstrap_replaced": 0}
+            events = {"sigkill": 0, "sigterm": 0, "started": 0, "burst_killed": 0, "bootstrap_replaced": 0,
+                      "partitioned": 0}
             term_codes: list[int | None] = []
             stoppers: list[threading.Thread] = []
             alive_through: set[int] = {p.pid for p in ready}
@@ -636,9 +794,18 @@ def run(args: argparse.Namespace) -> dict:
                     starting = sum(1 for p in servers if p.alive() and not p.ready.is_set())
                     below = len(alive) + starting < args.servers
                     action = rng.choice(["start", "start", "kill", "term"] if below else ["start", "kill", "term"])
+                    cuttable = sorted({host_of[p.pid] for p in alive if p.pid in host_of} - hosts.cut) if hosts else []
+                    if cuttable and rng.random() < 0.25:
+                        action = "partition"
                     if action != "start" and len(alive) <= max(2, args.servers // 2):
                         action = "start"
-                    if action == "start":
+                    if action == "partition":
+                        host = rng.choice(cuttable)
+                        hosts.partition(host, args.partition_s)
+                        events["partitioned"] += 1
+                        log(f"host {host} cut off for {args.partition_s:.0f}s "
+                            f"({sum(1 for p in alive if host_of.get(p.pid) == host)} servers on it)")
+                    elif action == "start":
                         start_server()
                         events["started"] += 1
                     else:
@@ -692,7 +859,8 @@ def run(args: argparse.Namespace) -> dict:
             result["churn"] = {**events, "sigterm_exit_codes": sorted({str(c) for c in term_codes}),
                                "servers_started_in_all": len(servers)}
             time.sleep(args.idle_window)  # the swarm at rest again before the end readings
-            result["status_cli_end"] = {**time_status_cli(peers, model_dht_prefix(model), args.blocks, env),
+            result["status_cli_end"] = {**time_status_cli(peers, model_dht_prefix(model), args.blocks, env,
+                                                          netns=boot_ns),
                                         "servers_alive": len(live())}
             result["coverage"] = {**coverage.summary(churn_start),
                                   "first_full_coverage_s": coverage.first_full(first_start)}
@@ -765,6 +933,8 @@ def run(args: argparse.Namespace) -> dict:
             result["shutdown"]["leftovers_killed_at_cleanup"] = sorted(set(leftovers.values()))
             if own_zygote:
                 server_zygote.close()
+            if hosts:
+                hosts.close()  # ends whatever still runs inside its namespaces, then deletes them
             log_file.close()
     shutdown = result["shutdown"]
     shutdown["clean"] = (shutdown.get("left_count") == 0 and shutdown.get("exited") == shutdown.get("sigtermed")
@@ -798,17 +968,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--session-grace", type=float, default=120.0, help="seconds the last sessions get after the churn")
     p.add_argument("--stop-grace", type=float, default=120.0)
     p.add_argument("--hosts", type=int, default=0,
-                   help="emulated hosts (corolla.netemu); only 0 (loopback) is implemented, see the docstring")
+                   help="server hosts on corolla.netemu's emulated network (root only); 0: everything on loopback")
+    p.add_argument("--rtt-ms", default="30:80", help="with --hosts: LO:HI, the round trips between hosts, ms")
+    p.add_argument("--private-hosts", type=int, default=2,
+                   help="with --hosts: server hosts behind a NAT (no inbound connections; their servers are relayed)")
+    p.add_argument("--partition-s", type=float, default=30.0,
+                   help="with --hosts: seconds a partitioned host stays cut off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", default=None, help="write every process's output here")
     # helper roles (this script started by itself)
-    p.add_argument("--role", choices=["main", "client", "dht-peers"], default="main", help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=["main", "client", "dht-peers", "coverage"], default="main", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--peers", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--expected", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--listen", default="127.0.0.1", help=argparse.SUPPRESS)
+    p.add_argument("--prefix", help=argparse.SUPPRESS)
+    p.add_argument("--period", type=float, default=5.0, help=argparse.SUPPRESS)
     return p
 
 
@@ -818,8 +996,10 @@ def main() -> int:
         return client_main(args)
     if args.role == "dht-peers":
         return dht_peers_main(args)
-    if args.hosts:
-        parser().error("--hosts: emulated hosts are not implemented in this harness; it runs on loopback")
+    if args.role == "coverage":
+        return coverage_main(args)
+    if args.hosts and args.private_hosts >= args.hosts:
+        parser().error("--private-hosts must leave at least one server host public")
     print(json.dumps(run(args), indent=2))
     return 0
 

@@ -83,6 +83,8 @@ def _child(request: dict, output_fd: int) -> None:
     code = 1
     try:
         os.setsid()
+        if request.get("netns"):
+            _enter_netns(request["netns"])
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1):  # SIGPIPE stays ignored, as Python sets it
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -115,6 +117,20 @@ def _child(request: dict, output_fd: int) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into network namespace `name` (`ip netns add` made it, as
+    corolla.netemu's hosts do): its sockets, and its p2pd's, are then that host's. Python 3.11 has no os.setns."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name} failed")
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------- in the tests
@@ -202,14 +218,15 @@ class ZygoteClient:
                 if process is not None:
                     process._exit(event["code"])
 
-    def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
-        """`corolla ARGV` with environment `env`, forked from the zygote; its stdout and stderr together, as text."""
+    def spawn(self, argv: list[str], env: dict[str, str], netns: str | None = None) -> ForkedProcess:
+        """`corolla ARGV` with environment `env`, forked from the zygote (inside network namespace `netns` if given);
+        its stdout and stderr together, as text."""
         self.ready()
         read_fd, write_fd = os.pipe()
+        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "netns": netns}
         try:
             with self._requesting:
-                socket.send_fds(self._control, [json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()],
-                                [write_fd])
+                socket.send_fds(self._control, [json.dumps(request).encode()], [write_fd])
                 pid = self._next_spawned()
         except BaseException:
             os.close(read_fd)
@@ -270,14 +287,16 @@ def zygote() -> ZygoteClient | None:
     return _client
 
 
-def start_corolla(argv: list[str], env: dict[str, str]):
+def start_corolla(argv: list[str], env: dict[str, str], netns: str | None = None):
     """`corolla ARGV` in a new session (its own process group) with environment `env`, stdout and stderr together
-    as text: forked from the zygote, or a fresh `python -m corolla.cli.main` where there is none. Returns a
-    subprocess.Popen or a ForkedProcess (the same interface, as far as the tests use it)."""
+    as text, inside network namespace `netns` if given (an emulated host's, corolla.netemu): forked from the
+    zygote, or a fresh `python -m corolla.cli.main` where there is none. Returns a subprocess.Popen or a
+    ForkedProcess (the same interface, as far as the tests use it)."""
     client = zygote()
     if client is not None:
-        return client.spawn(argv, env)
-    return subprocess.Popen([sys.executable, "-m", "corolla.cli.main", *argv], stdout=subprocess.PIPE,
+        return client.spawn(argv, env, netns)
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    return subprocess.Popen([*prefix, sys.executable, "-m", "corolla.cli.main", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env,
                             start_new_session=True)
 
