@@ -129,9 +129,10 @@ class InProcessSwarm:
         """An InferenceSession over every block (a new manager with `config` unless one is given)."""
         return InferenceSession(manager or self.manager(**config), max_length, batch_size)
 
-    def partition(self, peer_id: str) -> None:
-        """The server's host is cut off: it keeps running, silent (clients see no error, only no answer)."""
-        self.p2p.partition(peer_id)
+    def partition(self, peer_id: str, streams_open: bool = False) -> None:
+        """The server's host is cut off: it keeps running, silent (clients see no error, only no answer); see
+        MemoryP2P.partition for `streams_open`."""
+        self.p2p.partition(peer_id, streams_open)
 
     def crash(self, peer_id: str) -> None:
         """The server vanishes at once, as a killed process does (clients find out when they next use it)."""

@@ -61,6 +61,7 @@ class MemoryP2P:
         self._served: dict[str, list[tuple[asyncio.Task[None], MemoryWriter, MemoryWriter]]] = {}  # by server
         self._opened: dict[str, list[tuple[MemoryWriter, MemoryWriter]]] = {}  # streams by the peer that opened them
         self._cut: set[str] = set()  # peers partitioned off
+        self._cut_open: set[str] = set()  # ...of which new streams still open (silent)
 
     def peer(self, peer_id: str) -> SimpleNamespace:
         """One peer's side of the P2P: its registration calls (what ConnectionHandler.register gets) and streams it
@@ -83,6 +84,10 @@ class MemoryP2P:
 
     async def _call(self, caller: PeerID, peer_id: PeerID, name: str):
         target = peer_id.to_base58()
+        if target in self._cut_open:  # opened at once over the connection held, and nothing ever comes back
+            silent = MemoryWriter(asyncio.StreamReader())
+            silent.silent = True
+            return SimpleNamespace(peer_id=caller), asyncio.StreamReader(), silent
         if target in self._cut or caller.to_base58() in self._cut:
             await asyncio.Event().wait()  # a dial into (or out of) a cut-off host never completes
         handler = self._handlers.get((target, name))
@@ -110,10 +115,14 @@ class MemoryP2P:
             server_writer.close()
             client_writer.close()
 
-    def partition(self, peer_id: str) -> None:
+    def partition(self, peer_id: str, streams_open: bool = False) -> None:
         """`peer_id` is cut off the network, as by a pulled cable: every stream it serves or opened goes silent both
-        ways (no data, no end of stream: the other side just waits), and no new stream to or from it opens."""
+        ways (no data, no end of stream: the other side just waits), and no new stream to or from it opens; with
+        `streams_open`, new streams to it open at once and stay silent (p2pd opens a stream over a connection it
+        already holds without a round trip)."""
         self._cut.add(peer_id)
+        if streams_open:
+            self._cut_open.add(peer_id)
         for _, server_writer, client_writer in self._served.get(peer_id, []):
             server_writer.silent = client_writer.silent = True
         for server_writer, client_writer in self._opened.get(peer_id, []):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from corolla.server.rpc.faults import FaultInjector
@@ -57,5 +58,30 @@ def test_a_slow_server_that_answers_pings_keeps_the_session(tiny_llama_path):
             took = time.monotonic() - begin
         assert took >= 4.0, f"the step was given up after {took:.1f}s, before the server's own answer"
         torch.testing.assert_close(torch.cat(out, dim=1), swarm.forward(torch.cat(chunks, dim=1)), rtol=0, atol=1e-5)
+    finally:
+        swarm.close()
+
+
+def test_an_opening_on_a_server_cut_off_after_the_stream_opened_fails_within_seconds(tiny_llama_path):
+    """p2pd opens a stream over a connection it holds at once: the OpenSession then waits for an answer that never
+    comes (connect_timeout + alloc_timeout, 20 s, before the watch), here a few seconds, as PeerUnreachable (the
+    server is skipped for unreachable_ban, not retried after a short backoff)."""
+    from corolla.client.chain.span_session import SpanSession
+    from corolla.client.chain.steps import StepIds
+    from corolla.client.config import ClientConfig
+    from corolla.client.event_loop import run_sync
+    from corolla.client.swarm.routing import Span
+    from corolla.protocol.errors import PeerUnreachable
+
+    swarm = InProcessSwarm(tiny_llama_path, [(0, 2), (2, 4)])
+    try:
+        silent = swarm.servers[1].peer_id
+        swarm.partition(silent, streams_open=True)
+        config = ClientConfig(connect_timeout=3.0, alloc_timeout=10.0)
+        begin = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="went silent"):
+            run_sync(SpanSession.open(swarm.manager(connect_timeout=3.0), Span(silent, 2, 4), 32, 1, config,
+                                     StepIds()))
+        assert time.monotonic() - begin < 10.0  # overdue at 2 s, a ping of at most 3 s
     finally:
         swarm.close()

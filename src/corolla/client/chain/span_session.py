@@ -19,6 +19,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.swarm.connection import Connection
 from corolla.client.chain.push_audit import BadAnswer, Blame, answer_problem, judge_receipt, judge_unsent
 from corolla.client.chain.push_route import RouteHop
+from corolla.client.chain.stall_watch import overdue_after, watched
 from corolla.client.swarm.routing import Span
 from corolla.client.swarm.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
@@ -121,7 +122,8 @@ class SpanSession:
                     standby=standby,
                 )
             )
-            reply, _ = await connection.receive(config.connect_timeout + config.alloc_timeout)
+            reply, _ = await watched(connection.receive(config.connect_timeout + config.alloc_timeout), manager,
+                                     span.peer_id, overdue_after(None))
             if not isinstance(reply, SessionOpened):
                 raise PeerUnavailable(f"server {span.peer_id} answered open_session with {reply.kind}")
         except BaseException:

@@ -7,7 +7,11 @@ routes around it. So a step's wait for one server's answer is watched: once the 
 the session's median step, and at least STALL_FLOOR seconds), the server is asked rpc_info on a fresh stream, with
 the time a stream to it may take to open (SequenceManager.open_timeout: 20 of its round trips, at least 2 s). A server
 that answers is alive, only busy (a long prefill, a queue): the wait goes on, checked again each overdue period. One
-that does not is PeerUnavailable for that span, and the session fails over as for a crash.
+that does not is PeerUnreachable for that span: the session fails over as for a crash, and the server is skipped for
+`unreachable_ban` (its ban lifted once it answers a ping again), not retried after a short backoff. The same watch
+covers a session's opening (`SpanSession.open`): a stream to a cut-off host can open at once over the connection
+p2pd already holds, and the OpenSession's answer then never comes; a server queueing the opening for cache answers
+the ping.
 
 The answer's own wait is never cut short by the watch while the server answers pings; what a wait costs at most is
 unchanged (`request_timeout`).
@@ -22,7 +26,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, TypeVar
 
 from corolla.dht.info import ask_info
-from corolla.protocol.errors import PeerUnavailable
+from corolla.protocol.errors import PeerUnavailable, PeerUnreachable
 
 if TYPE_CHECKING:
     from corolla.client.swarm.sequence_manager import SequenceManager
@@ -41,7 +45,7 @@ def overdue_after(step_latency: float | None) -> float:
 
 async def watched(answer: Awaitable[T], manager: SequenceManager, peer_id: str, overdue: float) -> T:
     """`answer` (a wait for `peer_id`'s answer to a step), checking the server each `overdue` seconds it takes: raises
-    PeerUnavailable once the server answers no rpc_info (module docstring); otherwise whatever `answer` gives."""
+    PeerUnreachable once the server answers no rpc_info (module docstring); otherwise whatever `answer` gives."""
     task = asyncio.ensure_future(answer)
     begin = time.perf_counter()
     try:
@@ -56,10 +60,10 @@ async def watched(answer: Awaitable[T], manager: SequenceManager, peer_id: str, 
                 if task.done():
                     return task.result()
                 waited = time.perf_counter() - begin
-                logger.warning("server %s went silent: no answer to a step for %.1fs, nor to a ping within %.1fs",
-                               peer_id, waited, check)
-                raise PeerUnavailable(f"server {peer_id} went silent: no answer to the step for {waited:.1f}s, "
-                                      f"nor to a ping within {check:.1f}s ({e})") from e
+                logger.warning("server %s went silent: no answer for %.1fs, nor to a ping within %.1fs", peer_id,
+                               waited, check)
+                raise PeerUnreachable(f"server {peer_id} went silent: no answer for {waited:.1f}s, nor to a ping "
+                                      f"within {check:.1f}s ({e})") from e
     finally:
         if not task.done():
             task.cancel()
