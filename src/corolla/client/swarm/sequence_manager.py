@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import statistics
 import time
 from collections.abc import Collection
 
@@ -160,12 +161,14 @@ class SequenceManager:
             self.speeds[peer_id] = smooth(self.speeds.get(peer_id), sample)
 
     def open_timeout(self, peer_id: str) -> float:
-        """Seconds a new stream to `peer_id` may take to open: `connect_timeout`, or for a server whose round trip
-        was measured OPEN_TIMEOUT_RTTS round trips (at least OPEN_TIMEOUT_FLOOR). A host cut off the network, or gone
-        without a word, never refuses: each open of a stream to it would wait the whole `connect_timeout` (10 s), in
-        the middle of a failover. A timeout cut short this way is PeerUnreachable as any other: the server is skipped
+        """Seconds a new stream to `peer_id` may take to open: OPEN_TIMEOUT_RTTS of its measured round trips (the
+        median of the others' for a server not measured yet), at least OPEN_TIMEOUT_FLOOR; `connect_timeout` before
+        any round trip is measured. A host cut off the network, or gone without a word, never refuses: each open of a
+        stream to it would wait the whole `connect_timeout` (10 s), in the middle of a failover. A timeout cut short this way is PeerUnreachable as any other: the server is skipped
         for `unreachable_ban`, and the ban is lifted as soon as it answers a ping again (`_ping`)."""
         rtt = self.rtts.get(peer_id)
+        if rtt is None and self.rtts:  # not measured yet: as far as the servers measured are, at the median
+            rtt = statistics.median(self.rtts.values())
         if rtt is None:
             return self.config.connect_timeout
         return min(self.config.connect_timeout, max(OPEN_TIMEOUT_FLOOR, OPEN_TIMEOUT_RTTS * rtt))
