@@ -33,6 +33,7 @@ from corolla.server.compute.block_stack import BlockStack
 from corolla.server.loading.blocks import default_cache_tokens, default_num_blocks, load_stack
 from corolla.server.presence import rebalancing
 from corolla.server.presence.block_selection import choose_best_blocks, parse_block_range
+from corolla.server.presence.joining import join_with_retries
 from corolla.server.presence.load import LoadMeter
 from corolla.server.cache.allocator import CacheAllocator
 from corolla.server.compute.worker import PRIORITY_INFERENCE, ComputeWorker
@@ -205,7 +206,7 @@ class Server:
     async def _join(self) -> SwarmNode:
         """Start this server's P2P node and DHT peer (identity, addresses, relays and swarm key as configured)."""
         config, begin = self.config, time.perf_counter()
-        node = await create_swarm_node(
+        node = await join_with_retries(lambda: create_swarm_node(
             config.initial_peers,
             host=config.host,
             port=config.port,
@@ -214,7 +215,7 @@ class Server:
             use_relay=config.use_relay,
             relays=config.relays,
             swarm_key=self.swarm_key,
-        )
+        ), stopped=self._stop.is_set)
         self.maddrs = tuple(await node.maddrs())
         logger.info("joined the swarm as %s in %.2fs", node.peer_id, time.perf_counter() - begin)
         if node.relayed:

@@ -161,14 +161,10 @@ class SequenceManager:
             self.speeds[peer_id] = smooth(self.speeds.get(peer_id), sample)
 
     def open_timeout(self, peer_id: str) -> float:
-        """Seconds a new stream to `peer_id` may take to open: OPEN_TIMEOUT_RTTS of its measured round trips (the
-        median of the others' for a server not measured yet), at least OPEN_TIMEOUT_FLOOR; `connect_timeout` before
-        any round trip is measured. A host cut off the network, or gone without a word, never refuses: each open of a
-        stream to it would wait the whole `connect_timeout` (10 s), in the middle of a failover. A timeout cut short this way is PeerUnreachable as any other: the server is skipped
-        for `unreachable_ban`, and the ban is lifted as soon as it answers a ping again (`_ping`)."""
-        rtt = self.rtts.get(peer_id)
-        if rtt is None and self.rtts:  # not measured yet: as far as the servers measured are, at the median
-            rtt = statistics.median(self.rtts.values())
+        """Seconds a new stream to `peer_id` may take to open: OPEN_TIMEOUT_RTTS of its round trip (the others' median
+        if not measured yet), at least OPEN_TIMEOUT_FLOOR, at most `connect_timeout` (also before any is measured). A
+        host cut off the network never refuses: every stream to it would wait `connect_timeout` in a failover."""
+        rtt = self.rtts.get(peer_id, statistics.median(self.rtts.values()) if self.rtts else None)
         if rtt is None:
             return self.config.connect_timeout
         return min(self.config.connect_timeout, max(OPEN_TIMEOUT_FLOOR, OPEN_TIMEOUT_RTTS * rtt))
