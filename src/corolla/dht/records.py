@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import secrets
-from typing import Collection, Sequence
+from typing import Collection, Mapping, Sequence
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
@@ -92,18 +92,37 @@ async def fetch_block_servers(
     drawn once per process (peer ids or expirations chosen by a writer cannot put it first)."""
     keys = [block_key(prefix, b) for b in blocks]
     found = await lookup_supported(dht, keys) if keys else {}
-    out: list[dict[str, ServerInfo]] = []
+    per_key: list[dict[str, tuple[ServerInfo, float]]] = []
     for key in keys:
         records = found.get(key, {})
         kept = sorted(records, key=lambda peer: (peer not in prefer, -records[peer].support, _drawn(peer)))
         kept = kept[:max_servers]
         if len(records) > max_servers:
             logger.debug("key %s holds %d records; reading %d", key, len(records), max_servers)
-        servers: dict[str, ServerInfo] = {}
+        servers: dict[str, tuple[ServerInfo, float]] = {}
         for peer in sorted(kept):
             try:
-                servers[peer] = ServerInfo.model_validate(records[peer].value)
+                info = ServerInfo.model_validate(records[peer].value)
             except (ValidationError, TypeError) as e:
                 logger.debug("ignoring malformed record key=%s peer=%s error=%s", key, peer, e)
-        out.append(servers)
-    return out
+                continue
+            servers[peer] = (info, records[peer].expiration)
+        per_key.append(servers)
+    return latest_records(blocks, per_key)
+
+
+def latest_records(blocks: Sequence[int], per_key: Sequence[Mapping[str, tuple[ServerInfo, float]]]
+                   ) -> list[dict[str, ServerInfo]]:
+    """For each block, its servers by their latest record (the one that expires last, among every block key read),
+    each listed only under the blocks that record names. A server's records under the keys of blocks it left (it
+    moved: they are OFFLINE, or stale until they expire) or never held (it announced different ranges under
+    different keys) are not read as its own: a client pricing a server by one record and listing it by another found
+    no route at all (every session failed at once with "Total of weights must be greater than zero"). Pure."""
+    latest: dict[str, tuple[float, ServerInfo]] = {}
+    for servers in per_key:
+        for peer, (info, expiration) in servers.items():
+            if peer not in latest or expiration > latest[peer][0]:
+                latest[peer] = (expiration, info)
+    return [{peer: latest[peer][1] for peer in servers
+             if latest[peer][1].start_block <= block < latest[peer][1].end_block}
+            for block, servers in zip(blocks, per_key)]

@@ -126,13 +126,15 @@ class RouteIndex:
             self._draws = {}
         found = self._draws.get(block)
         if found is None:
-            peers = self.holders.get(block, [])
-            total, cumulative = 0.0, []
-            for peer in peers:
+            peers, cumulative, total = [], [], 0.0
+            for peer in self.holders.get(block, []):
                 server = self.servers[peer]
                 reach = server.stop - block
-                total += (reach / (server.fixed + self.rtt(peer) + server.per_block * reach)) ** DRAW_SHARPNESS
-                cumulative.append(total)
+                weight = (reach / (server.fixed + self.rtt(peer) + server.per_block * reach)) ** DRAW_SHARPNESS
+                if weight > 0.0 and math.isfinite(weight):  # a round trip or price gone odd draws nothing
+                    total += weight
+                    peers.append(peer)
+                    cumulative.append(total)
             found = self._draws[block] = (peers, cumulative)
         return found
 
@@ -151,7 +153,6 @@ def route_index(
     records: dict[str, ServerInfo] = {}
     for block in range(start, end):
         for peer, info in usable_servers(block_servers, block, banned, adapter, allowed_quant):
-            holders.setdefault(block, []).append(peer)
             if peer not in servers:
                 records[peer] = info
                 free = min(info.cache_tokens_free, info.cache_tokens_total)
@@ -159,6 +160,12 @@ def route_index(
                 fixed += (relay_cost if info.relayed else 0.0) + QUEUED_SESSION_COST * info.queued
                 servers[peer] = _Server(fixed, block_price(info, measured.get(peer)), min(info.end_block, end),
                                         max(info.start_block, start))
+            elif not servers[peer].first <= block < servers[peer].stop:
+                # its record under this block's key names another range than the one priced (a server that moved,
+                # its old records not expired yet; or one announcing different ranges under different keys): it
+                # holds, for this index, only what its first record says
+                continue
+            holders.setdefault(block, []).append(peer)
     return RouteIndex(start, end, servers, holders, records, rtts or {}, default_rtt)
 
 
