@@ -854,8 +854,9 @@ def run(args: argparse.Namespace) -> dict:
                 "tokens_per_s": round(len(ok) * args.new_tokens / (args.warmup + args.duration), 2),
                 "errors": errors[:8],
             }
-            result["failovers"] = {"count": len(stalls), "stall_s_p50": pct(stalls, 0.5), "stall_s_p90": pct(stalls, 0.9),
-                                   "stall_s_p99": pct(stalls, 0.99), "stall_s_max": round(max(stalls), 2) if stalls else None,
+            result["failovers"] = {"count": len(stalls), "stall_s_p50": pct(stalls, 0.5),
+                                   "stall_s_p90": pct(stalls, 0.9), "stall_s_p99": pct(stalls, 0.99),
+                                   "stall_s_max": round(max(stalls), 2) if stalls else None,
                                    "over_2s": sum(1 for s in stalls if s > 2.0)}
             result["churn"] = {**events, "sigterm_exit_codes": sorted({str(c) for c in term_codes}),
                                "servers_started_in_all": len(servers)}

@@ -128,7 +128,8 @@ async def _traverse(dht: DHTNode, key_ids: list[DHTID], merged: dict[DHTID, dict
 
     await traverse_dht(
         queries=key_ids, initial_nodes=list(node_to_peer), beam_size=dht.protocol.bucket_size,
-        num_workers=max(dht.num_workers, LOOKUP_WORKERS), queries_per_call=max(1, keys_per_call), get_neighbors=get_neighbors,
+        num_workers=max(dht.num_workers, LOOKUP_WORKERS), queries_per_call=max(1, keys_per_call),
+        get_neighbors=get_neighbors,
         visited_nodes={key_id: {dht.node_id} for key_id in key_ids}, await_all_tasks=True,
     )
 

@@ -41,6 +41,7 @@ from corolla.dht.maddrs import circuit_maddrs, dialable, peer_id_of, to_daemon_b
 from corolla.dht.admission import ANSWER_RECORDS
 from corolla.dht.info import ask_info
 from corolla.dht.listen_backlog import deepen_listen_backlog
+from corolla.dht.lookup import LOOKUP_WORKERS
 from corolla.dht.record_storage import (ANSWERING, CACHE_KEYS, MAX_SUBKEYS_PER_KEY, STORE_SENDER, RecordStorage,
                                         adopt)
 from corolla.dht.verifier import CHECK_TIMEOUT, RecordVerifier
@@ -53,9 +54,6 @@ logger = logging.getLogger(__name__)
 
 DHT_SHUTDOWN_TIMEOUT = 5.0  # seconds
 CONNECT_TIMEOUT = 10.0  # seconds one explicit dial may take
-# a client-mode node's DHT requests in flight at once (a full node keeps hivemind's 4): its bootstrap search asks the
-# same nodes sooner (joining took 0.75-0.85 s instead of 1.0-1.4 s over 45-72 ms round trips); see dht.lookup
-READER_WORKERS = 32
 
 
 @dataclass(eq=False)
@@ -195,7 +193,10 @@ async def create_swarm_node(
         authorizer = SwarmKeyAuthorizer(swarm_key) if swarm_key is not None else None
         try:
             dht = await DHTNode.create(p2p=p2p, initial_peers=peers or None, client_mode=client_mode or bool(relays),
-                                       num_workers=READER_WORKERS if client_mode or relays else 4,
+                                       # a reader's bootstrap search asks the same nodes sooner with a lookup's
+                                       # requests in flight (joining 0.75-0.85 s instead of 1.0-1.4 s over 45-72 ms
+                                       # round trips); a full node keeps hivemind's 4
+                                       num_workers=LOOKUP_WORKERS if client_mode or relays else 4,
                                        authorizer=authorizer, record_validator=SignedRecordValidator(key),
                                        cache_size=CACHE_KEYS)
         except RuntimeError as e:

@@ -75,12 +75,10 @@ async def collect_state(
 async def _collect(node: SwarmNode, models: Mapping[str, int | None] | None, ping_timeout: float, max_pings: int,
                    refresh_period: float, tracker: PeerTracker, max_block_reads: int, read_time: float,
                    index_read: asyncio.Future) -> SwarmState:
-    if models is not None and all(n is not None for n in models.values()):
-        # models asked for with their block counts are all read, whatever the index says: it is read meanwhile, for
-        # the models' types only (one DHT lookup less in the way)
-        index: Mapping[str, IndexedModel] = {}
-    else:
-        index = await index_read
+    # models asked for with their block counts are all read, whatever the index says: it is read meanwhile, for the
+    # models' types only (one DHT lookup less in the way)
+    index_later = models is not None and all(n is not None for n in models.values())
+    index: Mapping[str, IndexedModel] = {} if index_later else await index_read
     wanted: Mapping[str, int | None] = models if models is not None else dict.fromkeys(index)
     # the probe ranks models and settles block counts; models asked for with their count are all read anyway
     unsettled = wanted if models is None else {p: n for p, n in wanted.items() if n is None}
@@ -107,7 +105,7 @@ async def _collect(node: SwarmNode, models: Mapping[str, int | None] | None, pin
     announced = {peer: info.maddrs for per_block in per_model.values() for by_peer in per_block
                  for peer, info in by_peer.items()}
     liveness |= await ping_servers(node.p2p, pinged, ping_timeout, max_pings, maddrs=announced)
-    if not index:
+    if index_later:
         index = await index_read
     now = time.time()
     views = []

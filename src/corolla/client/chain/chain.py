@@ -126,7 +126,7 @@ class Chain:
 
     async def watch(self, span: SpanSession, answer: Awaitable[T]) -> T:
         """`answer`, a wait for `span`'s answer to a step, its server checked once the answer is overdue: a server
-        gone silent (cut off the network) is PeerUnavailable within seconds, not `request_timeout`
+        gone silent (cut off the network) is PeerUnreachable within seconds, not `request_timeout`
         (client.chain.stall_watch)."""
         return await watched(answer, self.manager, span.span.peer_id, overdue_after(self.step_latency))
 
