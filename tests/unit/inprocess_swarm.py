@@ -29,6 +29,7 @@ from corolla.client.session.inference_session import InferenceSession
 from corolla.client.swarm.sequence_manager import SequenceManager
 from corolla.models import get_family
 from corolla.protocol import PROTOCOL_VERSION
+from corolla.protocol.codecs import CODECS
 from corolla.protocol.messages import InfoReply, ServerInfo, ServerState
 from corolla.protocol.signing import PeerKey
 from corolla.server.cache.allocator import CacheAllocator
@@ -62,7 +63,7 @@ class Server:
         return ServerInfo(state=ServerState.ONLINE, start_block=self.stack.start, end_block=self.stack.end,
                           throughput=100.0, cache_tokens_total=budget.total, cache_tokens_free=budget.free,
                           torch_dtype="float32", version=corolla.__version__, protocol_version=PROTOCOL_VERSION,
-                          max_session_length=1024)
+                          max_session_length=1024, codecs=CODECS)
 
 
 def start_server(p2p: MemoryP2P, model_path: str, start: int, end: int, **settings: object) -> Server:

@@ -68,7 +68,9 @@ def test_a_crashed_primary_is_replaced_by_its_standby_with_no_replay(swarm, monk
         peers = standby_peers(session)
         assert peers == {(2, 4): next(s.peer_id for s in swarm.servers[1:] if s.peer_id != session.route[1].peer_id)}
         assert session.standby_missing == 1  # nobody else holds 0:2
-        assert session.standby_steps == 2 and session.standby_bytes_sent == (4 + 1) * H * 4
+        # its two steps' frames: the hidden states (the prompt's 4 positions deflated, the token's as they are) and
+        # a few hundred bytes of headers
+        assert session.standby_steps == 2 and (4 + 1) * H * 4 * 0.6 < session.standby_bytes_sent < (4 + 1) * H * 4 + 1024
         swarm.crash(session.route[1].peer_id)
         out += [session.step(chunks[2]), session.step(chunks[3])]
         assert session.route[1].peer_id == peers[(2, 4)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from corolla.protocol.codecs import CODECS
+
 
 def _opt(help: str, **kw: object) -> dict[str, object]:
     return {"help": help, **kw}
@@ -75,8 +77,9 @@ class ApiConfig:
     compression: str = field(
         default="none",
         metadata=_opt(
-            "how hidden states travel through the swarm: none (exact), bf16, fp16, int8, 4bit (protocol.codecs)",
-            choices=("none", "bf16", "fp16", "int8", "4bit"),
+            "how hidden states travel through the swarm: none (exact), deflate (exact, fewer bytes), bf16, fp16, int8, "
+            "4bit (protocol.codecs)",
+            choices=CODECS,
         ),
     )
     verify_rate: float = field(

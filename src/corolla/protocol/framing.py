@@ -28,7 +28,7 @@ import torch
 from pydantic import ValidationError
 
 from corolla.protocol import PROTOCOL_VERSION
-from corolla.protocol.codecs import CODECS, decode, encode, encoded_bytes
+from corolla.protocol.codecs import CODECS, DEFLATE_PREFIX, decode, deflated_bytes, encode, encoded_bytes
 from corolla.protocol.errors import ProtocolError
 from corolla.protocol.messages import MESSAGE_ADAPTER, Message
 
@@ -121,13 +121,22 @@ def decode_frame(payload: bytes, max_bytes: int = MAX_FRAME_BYTES) -> tuple[Mess
     view = memoryview(payload)
     for name, dtype, shape, codec in checked:
         decoded = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        nbytes = decoded if codec == "none" else encoded_bytes(codec, shape, dtype)
+        if codec == "deflate":  # its bytes say how many they are
+            try:
+                nbytes = deflated_bytes(view[offset : offset + DEFLATE_PREFIX], shape, dtype)
+            except ValueError as e:
+                raise ProtocolError(f"tensor {name!r}: {e}") from None
+        else:
+            nbytes = decoded if codec == "none" else encoded_bytes(codec, shape, dtype)
         if offset + nbytes > len(payload):
             raise ProtocolError(f"tensor data is truncated (tensor {name!r})")
         if codec != "none":
             if decoded > max_bytes:
                 raise ProtocolError(f"tensor {name!r} decodes to {decoded} bytes, past the limit of {max_bytes} bytes")
-            tensors[name] = decode(codec, view[offset : offset + nbytes], shape, dtype)
+            try:
+                tensors[name] = decode(codec, view[offset : offset + nbytes], shape, dtype)
+            except ValueError as e:  # a deflated tensor that is not what it says
+                raise ProtocolError(f"tensor {name!r}: {e}") from None
         else:
             raw = bytearray(view[offset : offset + nbytes])  # a writable copy, owned by the tensor
             tensors[name] = (
@@ -179,12 +188,13 @@ def _short(error: ValidationError) -> str:
 
 async def write_frame(
     writer: asyncio.StreamWriter, message: Message, tensors: Tensors = _NO_TENSORS, codec: str = "none"
-) -> None:
-    """Write one frame (hidden states in `codec`) and wait until the transport has taken it."""
+) -> int:
+    """Write one frame (hidden states in `codec`) and wait until the transport has taken it; returns its bytes."""
     payload = encode_frame(message, tensors, codec)
     writer.write(len(payload).to_bytes(LEN_BYTES, "big"))
     writer.write(payload)
     await writer.drain()
+    return LEN_BYTES + len(payload)
 
 
 async def read_frame(

@@ -23,10 +23,12 @@ SessionId = NewType("SessionId", str)
 MAX_BATCH_SIZE = 1024
 MAX_SESSION_LENGTH = 1 << 20  # tokens; a sanity bound, the server's own limit is usually lower
 MAX_ADAPTER_NAME = 4096  # characters of an adapter's name (a hub repo id or a path)
+MAX_CODECS = 16  # codec names one ServerInfo may list
+MAX_CODEC_NAME = 16
 MAX_MADDRS = 16  # multiaddrs a server may announce
 MAX_MADDR_CHARS = 512
 MAX_PEER_ID = 128  # characters of a peer id or a session id
-Codec = Literal["none", "bf16", "fp16", "int8", "4bit"]  # activations on the wire (protocol.codecs)
+Codec = Literal["none", "bf16", "fp16", "int8", "4bit", "deflate"]  # activations on the wire (protocol.codecs)
 MIN_SECRET, MAX_SECRET = 16, 64  # characters of a push secret (a random hex string the session's owner chose)
 MAX_NEXT_PINGS = 16  # next-hop round trips a server may announce (ServerInfo.next_pings)
 MAX_PING_SECONDS = 60.0  # the longest round trip a server may announce; a longer one is a broken link, not a ping
@@ -106,7 +108,11 @@ class ServerInfo(_Message):
         default=(), max_length=MAX_MADDRS
     )
     relayed: bool = False  # reachable only through a relay (its maddrs are /p2p-circuit/ ones): an extra hop per step
-    codecs: tuple[Codec, ...] = ("none",)  # activation codecs its sessions and passes accept (protocol.codecs)
+    # activation codecs its sessions and passes accept (protocol.codecs); names this version does not know are kept
+    # and never chosen, so a codec added later does not hide the servers that announce it
+    codecs: tuple[Annotated[str, Field(min_length=1, max_length=MAX_CODEC_NAME)], ...] = Field(
+        default=("none",), max_length=MAX_CODECS
+    )
     # push routing: peer id -> smoothed round trip in seconds from this server to that one, for the servers a step
     # pushed on from here would likely go to (server.presence.next_hops); empty in records of servers that predate it
     next_pings: dict[

@@ -25,7 +25,8 @@ from corolla.client.swarm.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
 from corolla.protocol.errors import PeerUnavailable
 from corolla.protocol.messages import (BlockRange, CloseSession, InferenceStep, OpenSession, PushRefusal, PushRefused,
-                                       PushSet, PushSource, PushTarget, SessionOpened, SetPush, StepResult)
+                                       PushSet, PushSource, PushTarget, ServerInfo, SessionOpened, SetPush,
+                                       StepResult)
 from corolla.protocol.receipts import tensor_digest
 
 
@@ -72,6 +73,7 @@ class SpanSession:
         target: PushTarget | None = None,
         secret: str = "",
         codec: str = "none",
+        bulk_codec: str | None = None,
     ):
         self.span = span
         self.connection = connection
@@ -82,6 +84,10 @@ class SpanSession:
         self.target = target  # where its server pushes
         self.prompts = prompts  # deep prompts of this span's blocks (end - start, P, H), or None
         self.codec = codec  # how the session's hidden states travel (ClientConfig.compression)
+        # how the client's steps of more than one position travel (ClientConfig.deflate_bulk): lossless, so the
+        # server's answers and pushes are what they would be in `codec`
+        self.bulk_codec = codec if bulk_codec is None else bulk_codec
+        self.bytes_sent = 0  # bytes of the steps' frames sent on the stream, as encoded
         self.history: torch.Tensor | None = None  # (B, tokens, H): inputs at positions [0, tokens)
         self.step_id = 0  # the id of the last step sent or pushed to it: its answer carries it
         # spot checks: the first position whose output from this server reached the chain (a replacement opened
@@ -139,6 +145,7 @@ class SpanSession:
             target,
             secret or new_secret(),
             config.compression,
+            bulk_codec(config, manager.info(span.peer_id)),
         )
 
     def hop(self) -> RouteHop:
@@ -191,10 +198,10 @@ class SpanSession:
             tensors["attention_mask"] = mask
         if self.prompts is not None and position < self.prompts.shape[1]:
             tensors["prompts"] = self.prompts
-        await self.connection.send(
+        self.bytes_sent += await self.connection.send(
             InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids, push=push, answer=answer),
             tensors,
-            self.codec,
+            self.bulk_codec if hidden.shape[1] > 1 else self.codec,
         )
         return self.step_id
 
@@ -274,6 +281,15 @@ class SpanSession:
         except (PeerUnavailable, asyncio.TimeoutError):
             pass
         self.connection.close()
+
+
+def bulk_codec(config: ClientConfig, info: ServerInfo | None) -> str:
+    """How the client's steps of many positions travel to a server announcing `info`: "deflate" (lossless) where
+    the session's codec is "none", the client allows it (ClientConfig.deflate_bulk) and the server takes it; else
+    the session's codec."""
+    if config.compression == "none" and config.deflate_bulk and info is not None and "deflate" in info.codecs:
+        return "deflate"
+    return config.compression
 
 
 def new_secret() -> str:

@@ -34,7 +34,6 @@ import torch
 
 from corolla.client.chain.span_session import SpanSession
 from corolla.client.chain.steps import Step
-from corolla.protocol.codecs import encoded_bytes
 from corolla.protocol.errors import RemoteError
 from corolla.protocol.messages import ErrorCode
 from corolla.tasks import cancel_and_wait
@@ -52,7 +51,7 @@ class StandbyStats:
     """What standby replicas cost a session and what they did (InferenceSession's standby_* counters)."""
 
     steps: int = 0  # steps the standbys answered (each one computed by a second server)
-    bytes_sent: int = 0  # bytes of hidden states the client sent to standbys, as encoded on the wire (replays too)
+    bytes_sent: int = 0  # bytes of the steps the client sent to standbys, as framed on the wire (replays too)
     replayed_positions: int = 0  # positions replayed into standbys opened mid-session (after a failover)
     promotions: int = 0  # failovers that promoted a standby: no history replayed
     missing: int = 0  # standbys wanted but not found: no other server holds the span's blocks whole
@@ -124,7 +123,7 @@ class Standby:
             if replay is not None:
                 await self.session.step(replay.hidden, 0, config.request_timeout, replay.mask)
                 self.owner.stats.replayed_positions += replay.end
-                self.owner.stats.bytes_sent += self.owner.wire_bytes(replay.hidden)
+                self.owner.stats.bytes_sent += self.session.bytes_sent
             self.ready = True
             logger.debug("standby %s for blocks %d:%d of %s", found.peer_id[-6:], span.start, span.end,
                          span.peer_id[-6:])
@@ -155,8 +154,9 @@ class Standby:
         while True:
             feed = await self.todo.get()
             step = feed.step
+            before = session.bytes_sent
             step_id = await session.send(step.hidden, step.position, step.mask, step.hypo_ids, answer=feed.answer)
-            self.owner.stats.bytes_sent += self.owner.wire_bytes(step.hidden)
+            self.owner.stats.bytes_sent += session.bytes_sent - before
             self.sent.put_nowait((step_id, feed))
 
     async def _read(self) -> None:
@@ -299,9 +299,6 @@ class Standbys:
         task = asyncio.ensure_future(closing)
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
-
-    def wire_bytes(self, hidden: torch.Tensor) -> int:
-        return encoded_bytes(self.chain.config.compression, tuple(hidden.shape), hidden.dtype)
 
     async def close(self) -> None:
         """Close every standby at once (their servers free the caches)."""

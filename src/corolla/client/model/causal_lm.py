@@ -255,7 +255,8 @@ class AutoDistributedModelForCausalLM:
         are the model's only parameters with requires_grad. `dtype` (transformers 5's name) or `torch_dtype`: the
         client-side weights' dtype (None or "auto": float32); ValueError if both are given and differ. `swarm_key`
         (or client_config.swarm_key) is the key file of a private swarm. `compression` (or client_config.compression):
-        how hidden states travel, "none" (exact, the default), "bf16", "fp16", "int8" or "4bit" (protocol.codecs);
+        how hidden states travel, "none" (exact, the default), "deflate" (exact, fewer bytes), "bf16", "fp16", "int8"
+        or "4bit" (protocol.codecs);
         ValueError for another name.
         """
         config = client_config or ClientConfig()

@@ -55,7 +55,7 @@ class InferenceSession:
     `submit` had in flight at once; `in_flight_total`, summed over steps, how many were in flight once it was sent,
     it included (divided by `steps`: a mean). `standby` (0 or 1; default ClientConfig.standby): a standby replica
     per span (client.chain.standby); what it costs and did: `standby_steps` (steps a standby server computed),
-    `standby_bytes_sent` (hidden-state bytes the client sent them), `standby_replayed_positions` (replayed into
+    `standby_bytes_sent` (bytes of the steps the client sent them, as framed), `standby_replayed_positions` (replayed into
     standbys opened mid-session), `standby_promotions` (failovers without a replay), `standby_missing` (spans with
     no other holder), `standby_lost` (standbys dropped), `standby_mismatches` (answers sent to the disputes).
     """

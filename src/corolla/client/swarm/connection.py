@@ -58,11 +58,11 @@ class Connection:
 
     async def send(
         self, message: Message, tensors: Mapping[str, torch.Tensor] = _NO_TENSORS, codec: str = "none"
-    ) -> None:
-        """Send a message and its tensors by name (the names its kind carries; hidden states in `codec`);
-        PeerUnavailable if the stream broke."""
+    ) -> int:
+        """Send a message and its tensors by name (the names its kind carries; hidden states in `codec`); returns the
+        frame's bytes. PeerUnavailable if the stream broke."""
         try:
-            await write_frame(self.writer, message, tensors, codec)
+            return await write_frame(self.writer, message, tensors, codec)
         except (ConnectionError, RuntimeError, OSError) as e:
             raise PeerUnavailable(f"stream to server {self.peer_id} broke: {e}") from e
 

@@ -134,7 +134,7 @@ class SequenceManager:
             sample = await ping(
                 self.node,
                 peer_id,
-                self._announced_maddrs(peer_id),
+                info.maddrs if (info := self.info(peer_id)) is not None else (),
                 connect_timeout=self.config.connect_timeout,
                 timeout=self.config.ping_timeout,
             )
@@ -169,12 +169,9 @@ class SequenceManager:
             return self.config.connect_timeout
         return min(self.config.connect_timeout, max(OPEN_TIMEOUT_FLOOR, OPEN_TIMEOUT_RTTS * rtt))
 
-    def _announced_maddrs(self, peer_id: str) -> tuple[str, ...]:
-        for servers in self.block_servers:
-            info = servers.get(peer_id)
-            if info is not None:
-                return info.maddrs
-        return ()
+    def info(self, peer_id: str) -> ServerInfo | None:
+        """What `peer_id` announces in the swarm view at hand (None: not in it)."""
+        return next((servers[peer_id] for servers in self.block_servers if peer_id in servers), None)
 
     # ------------------------------------------------------------------ bans
     def banned(self, unreachable_only: bool = False) -> set[str]:

@@ -63,7 +63,7 @@ TOL_NF4 = 6e-1  # 4-bit NormalFloat weights against float32
 
 # what a session's codec (protocol.codecs) may add to the relative error of an output that crossed the wire in it
 # once: about 2x the codec's error measured on activations with outliers (tests/unit/test_codecs.py)
-CODEC_TOLERANCE = {"none": 0.0, "bf16": 1e-2, "fp16": 2e-3, "int8": 5e-2, "4bit": 4e-1}
+CODEC_TOLERANCE = {"none": 0.0, "bf16": 1e-2, "fp16": 2e-3, "int8": 5e-2, "4bit": 4e-1, "deflate": 0.0}
 
 Verdict = Literal["agree", "ban_suspect", "ban_checker", "ban_both", "dispute"]
 
