@@ -28,6 +28,7 @@ from corolla.protocol.messages import ServerInfo, ServerState
 from corolla.server.presence import rebalancing
 from corolla.server.presence.announcer import Announcer
 from corolla.server.presence.rebalancing import Move
+from corolla.server.presence.silence import Silence
 
 if TYPE_CHECKING:
     from corolla.server.compute.worker import ComputeWorker
@@ -48,6 +49,7 @@ class Rebalancer:
         self.config = server.config
         self.last_move = time.monotonic()
         self.rng = random.Random()
+        self.silence = Silence()  # the watch's pings: who counts as gone
 
     # ------------------------------------------------------------------ reading the swarm
     async def _read(self) -> list[dict[str, ServerInfo]]:
@@ -132,7 +134,8 @@ class Rebalancer:
             view = None
 
     async def _gone(self, view: list[dict[str, ServerInfo]]) -> set[str]:
-        """The servers of thinly served blocks that do not answer a ping (rebalancing.to_check)."""
+        """The servers of thinly served blocks (rebalancing.to_check) that have stopped answering pings: silent
+        for a while, not merely once (server.presence.silence)."""
         server = self.server
         assert server.node is not None
         peers = rebalancing.to_check(view, self._me())
@@ -148,9 +151,14 @@ class Rebalancer:
             return False
 
         answers = await asyncio.gather(*(dead(peer) for peer in peers))
-        gone = {peer for peer, is_dead in zip(peers, answers) if is_dead}
+        silent = {peer for peer, is_dead in zip(peers, answers) if is_dead}
+        gone = self.silence.round(set(peers) - silent, silent, time.monotonic())
         if gone:
-            logger.info("rebalance.watch: %s no longer answer; their blocks count without them", ",".join(gone))
+            logger.info("rebalance.watch: %s no longer answer; their blocks count without them",
+                        ",".join(sorted(gone)))
+        elif silent:
+            logger.debug("rebalance.watch: %d of %d pinged did not answer (not counted yet: silence.py)",
+                         len(silent), len(peers))
         return gone
 
     def _plan(self, capacity: list[float]) -> Move | None:

@@ -20,6 +20,7 @@ import numpy as np
 from corolla.protocol.messages import ServerState
 from corolla.server.cache.queue import CacheRequest, grants, peer_limit
 from corolla.server.presence.rebalancing import WATCH_HOLDERS, WATCH_READS, Move, uncovered, with_own
+from corolla.server.presence.silence import Silence
 from corolla.sim.dht import Record
 from corolla.sim.scenario import SpeedClass
 
@@ -51,6 +52,7 @@ class SimServer:
     settles: int = 0
     watching: bool = False  # its coverage watch is running
     watch_ticks: int = 0
+    silence: Silence = field(default_factory=Silence)  # its watch's judgement of the servers it pings
     cache_free: int = 0
     sessions: dict[int, int] = field(default_factory=dict)  # session id -> cache tokens it holds here
     queue: dict[str, CacheRequest] = field(default_factory=dict)  # request owner -> request, oldest first
@@ -173,8 +175,12 @@ def _schedule_watch(w: World, server: SimServer, epoch: int) -> None:
 
 
 def _gone(w: World, server: SimServer) -> set[int]:
-    """What the watch's pings find: the servers of thinly served blocks that are no longer there."""
-    return {s for s in w.dht.thin_holders(server.id, WATCH_HOLDERS) if not w.servers[s].alive}
+    """What the watch's pings find: the servers of thinly served blocks that are no longer there, counted as
+    server.presence.silence counts them (silent over two rounds `confirm` seconds apart; the simulated pings of a
+    live server never miss)."""
+    pinged = w.dht.thin_holders(server.id, WATCH_HOLDERS)
+    silent = {s for s in pinged if not w.servers[s].alive}
+    return server.silence.round(set(pinged) - silent, silent, w.q.now)
 
 
 def _watch(w: World, server: SimServer, epoch: int) -> None:

@@ -15,8 +15,9 @@ A server's life, as these functions decide it:
                blocks (it is the one to give way: two servers that chose the same blocks do not both leave them)
     watch:     while the last read showed a block with fewer than WATCH_HOLDERS servers (`needs_watch`), re-read
                every watch period and ping the servers of such blocks (`to_check`): a crashed one's record stays
-               until it expires, and a block it alone held must not look covered meanwhile; a block without any
-               live server (`uncovered`) triggers a check at once
+               until it expires, and a block it alone held must not look covered meanwhile; a server silent over
+               two rounds counts as gone (server.presence.silence: one missed ping is not a death); a block
+               without any live server (`uncovered`) triggers a check at once
     check:     every `check_delay` (the balance period, jittered), and at once on an uncovered block: `plan_move`
     move:      stagger (random delay, re-read, decide again), then drain: OFFLINE for new sessions, open ones
                served until they end or `drain_seconds` pass; then load the new blocks
