@@ -96,10 +96,13 @@ class Rebalancer:
         """Balance checks and the coverage watch, until cancelled. A move that fails stops the server.
 
         The watch pings the servers of thinly served blocks every watch_period and re-reads the swarm only every
-        rebalancing.WATCH_READS-th time, or at once when one of them stopped answering (a read of every block costs far more
-        than a few pings)."""
+        rebalancing.WATCH_READS-th time, or at once when one of them was found gone (a read of every block costs far
+        more than a few pings), once: a dead server's record stays in the swarm until it expires (ServerConfig
+        .expiration), and every watching server reading every block each round meanwhile overloaded the DHT of a
+        48-server swarm on one machine until live servers' pings timed out too."""
         next_check = time.monotonic() + rebalancing.check_delay(self.rng, self.config.balance_period)
         view: list[dict[str, ServerInfo]] | None = None
+        counted: set[str] = set()  # the servers found gone that the view at hand was read after
         ticks = 0
         while True:
             watching = view is not None and rebalancing.needs_watch(rebalancing.holder_counts(view))
@@ -109,11 +112,14 @@ class Rebalancer:
             due = time.monotonic() >= next_check
             ticks += 1
             try:
-                gone = await self._gone(view) if watching and view is not None else set()
-                if view is None or due or gone or ticks % rebalancing.WATCH_READS == 0:
+                gone: set[str] = set()
+                if watching and view is not None:
+                    gone = await self._gone(view)
+                if view is None or due or gone - counted or ticks % rebalancing.WATCH_READS == 0:
                     view = await self._read()
-                    gone = await self._gone(view) if rebalancing.needs_watch(rebalancing.holder_counts(view)) \
-                        else set()
+                    if not watching and rebalancing.needs_watch(rebalancing.holder_counts(view)):
+                        gone = await self._gone(view)
+                counted = gone
             except Exception as e:  # the DHT may be briefly unreachable; check again next period
                 logger.warning("rebalancing check failed: %s", e)
                 continue

@@ -53,6 +53,7 @@ class SimServer:
     watching: bool = False  # its coverage watch is running
     watch_ticks: int = 0
     silence: Silence = field(default_factory=Silence)  # its watch's judgement of the servers it pings
+    counted: set[int] = field(default_factory=set)  # the servers found gone that its last read came after
     cache_free: int = 0
     sessions: dict[int, int] = field(default_factory=dict)  # session id -> cache tokens it holds here
     queue: dict[str, CacheRequest] = field(default_factory=dict)  # request owner -> request, oldest first
@@ -185,15 +186,16 @@ def _gone(w: World, server: SimServer) -> set[int]:
 
 def _watch(w: World, server: SimServer, epoch: int) -> None:
     """server.rebalancer's watch: pings the servers of thinly served blocks, re-reads the swarm every WATCH_READS
-    times or when one stopped answering."""
+    times or when one was newly found gone."""
     if server.epoch != epoch or not server.alive:
         return
     server.watch_ticks += 1
     gone = _gone(w, server)
-    if gone or server.watch_ticks % WATCH_READS == 0:
+    if gone - server.counted or server.watch_ticks % WATCH_READS == 0:  # re-read once per server found gone
         w.dht.read_all(by_server=True)
+    server.counted = gone
     own = share(w, server, server.start, server.end)
-    capacity = with_own(w.dht.capacity_without(server.id, _gone(w, server)), (server.start, server.end), own)
+    capacity = with_own(w.dht.capacity_without(server.id, gone), (server.start, server.end), own)
     if uncovered(capacity):
         _decide(w, server, epoch, staggered=False)
     if server.epoch == epoch:
