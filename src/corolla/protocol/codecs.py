@@ -53,12 +53,12 @@ def check_codec(name: str) -> str:
 
 
 def encoded_bytes(codec: str, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
-    """The bytes a tensor of `shape` and `dtype` takes on the wire in `codec`; for "deflate", at most that (its top
-    bytes stored, not deflated, in the worst case: zlib's stored blocks cost 5 bytes per 16 KiB, and 6 in all)."""
+    """The bytes a tensor of `shape` and `dtype` takes on the wire in `codec`; for "deflate", at most that (its n
+    top bytes deflated into at most zlib's compressBound(n) bytes, when they do not compress at all)."""
     n = math.prod(shape)
     if codec in ("none", "deflate"):
         raw = n * torch.empty((), dtype=dtype).element_size()
-        return raw if codec == "none" else DEFLATE_PREFIX + raw + 5 * (n // 16383 + 1) + 6
+        return raw if codec == "none" else DEFLATE_PREFIX + raw + (n >> 12) + (n >> 14) + (n >> 25) + 13
     if codec in ("bf16", "fp16"):
         return 2 * n
     blocks = _blocks(n)
