@@ -105,3 +105,29 @@ def test_announced_pings_stay_within_the_records_bounds(monkeypatch):
     ServerInfo.model_validate({**make_info(0, 2).model_dump(), "next_pings": announced})
     with pytest.raises(ValueError):
         NextHops(FakeNode(), "m", 8, max_peers=17)  # type: ignore[arg-type]
+
+
+def test_the_next_servers_codecs_are_kept_for_pushes_of_many_positions(monkeypatch):
+    """server.rpc.push.push_codec: a push of many positions goes deflated (lossless) to a next server whose record
+    names "deflate"; one position, a lossy session codec, or a server that predates it: the session's codec."""
+    import torch
+
+    from corolla.protocol.codecs import CODECS
+    from corolla.server.rpc.push import push_codec
+
+    async def answers(peer):
+        return 0.01
+
+    servers = records(new=make_info(4, 8).model_copy(update={"codecs": CODECS}), old=make_info(4, 8))
+    hops = make_hops(monkeypatch, servers, answers)
+    assert hops.codecs_of("new") == ("none",)  # nothing read yet
+    asyncio.run(hops.refresh(4))
+    assert "deflate" in hops.codecs_of("new") and hops.codecs_of("old") == ("none",)
+    assert hops.codecs_of("elsewhere") == ("none",)  # not a server of the next block
+    prompt, token = torch.zeros(1, 5, 8), torch.zeros(1, 1, 8)
+    assert push_codec("none", prompt, hops.codecs_of("new")) == "deflate"
+    assert push_codec("none", token, hops.codecs_of("new")) == "none"
+    assert push_codec("none", prompt, hops.codecs_of("old")) == "none"
+    assert push_codec("int8", prompt, hops.codecs_of("new")) == "int8"
+    asyncio.run(hops.refresh(8))  # the model's last blocks: nobody to push to
+    assert hops.codecs_of("new") == ("none",)

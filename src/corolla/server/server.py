@@ -264,6 +264,9 @@ class Server:
         )
         if self._fault_armed:
             self.handler.arm_fault()
+        # pushes of many positions go deflated to next servers that announce it (as next_hops last read them)
+        self.handler.parts.push_codecs = lambda peer: (
+            self.next_hops.codecs_of(peer) if self.next_hops is not None else ("none",))
         await self.handler.register(self.node.p2p)
         self.state = ServerState.ONLINE
         self.metrics.describe(

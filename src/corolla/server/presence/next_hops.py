@@ -63,11 +63,16 @@ class NextHops:
         self.connect_timeout = connect_timeout
         self.round_timeout = round_timeout
         self.pings: dict[str, float] = {}  # peer id -> smoothed round trip, seconds
+        self.codecs: dict[str, tuple[str, ...]] = {}  # peer id -> the codecs its record names (next block's servers)
 
     def announced(self) -> dict[str, float]:
         """What this server announces as ServerInfo.next_pings: a copy, within the record's bounds."""
         return {peer: min(rtt, MAX_PING_SECONDS) for peer, rtt in list(self.pings.items())[:MAX_NEXT_PINGS]
                 if math.isfinite(rtt) and rtt >= 0}
+
+    def codecs_of(self, peer: str) -> tuple[str, ...]:
+        """The codecs `peer` announced at the last round, if it holds the block after ours (else only "none")."""
+        return self.codecs.get(peer, ("none",))
 
     async def refresh(self, end_block: int) -> None:
         """One measuring round for a server whose range ends at `end_block`; never raises for a failing peer.
@@ -79,8 +84,10 @@ class NextHops:
     async def _refresh(self, end_block: int) -> None:
         if end_block >= self.num_blocks:  # the last blocks of the model: a pushed step ends here
             self.pings.clear()
+            self.codecs = {}
             return
         servers = (await fetch_block_servers(self.node.dht, self.prefix, [end_block]))[0]
+        self.codecs = {peer: info.codecs for peer, info in servers.items()}
         peers = next_hop_candidates(servers, self.node.peer_id, end_block, self.max_peers)
         samples = await asyncio.gather(*(self._sample(peer, servers[peer].maddrs) for peer in peers))
         self.pings = {peer: smooth(self.pings.get(peer), sample)

@@ -36,7 +36,7 @@ from corolla.protocol.messages import (
 from corolla.server.compute.planner import plan
 from corolla.server.errors import RequestError
 from corolla.server.rpc.parts import ServerParts
-from corolla.server.rpc.push import LiveSession, outgoing_push
+from corolla.server.rpc.push import LiveSession, outgoing_push, push_codec
 from corolla.server.rpc.sessions import ServerSession
 
 logger = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ class InferenceRpc:
             return result
         pushed = output if parts.faults is None else parts.faults.pushed(output)  # corrupt-push: a test's liar
         signed = output if parts.faults is not None and parts.faults.signs_honest_output else pushed
+        codec = push_codec(live.codec, pushed, parts.push_codecs(target.peer_id))
         push, tensors = outgoing_push(
             parts.key,
             target,
@@ -140,12 +141,12 @@ class InferenceRpc:
             True,
             signed,
             mask,
-            live.codec,
+            codec,
             message.answer,
         )
         tensors["hidden"] = pushed  # misdigest-push: not what the receipt signs
         try:
-            await parts.pushes.send(target.peer_id, push, tensors, live.codec)
+            await parts.pushes.send(target.peer_id, push, tensors, codec)
         except Exception as e:  # the next server is gone: the client replaces it and relays this step
             logger.info("push to %s failed: %r", target.peer_id, e)
             return result.model_copy(update={"push_error": f"push to {target.peer_id} failed: {type(e).__name__}: {e}"})
