@@ -18,8 +18,9 @@ the codec (protocol.framing), so handlers and clients always see float tensors.
 Where each pays off: prompts and prefill over slow links (bytes dominate); a one-token decode step is a few KiB in
 any codec, so decoding gains nothing from them.
 
-`deflate` is lossless, so the client uses it where the session's codec is "none" and the server takes it, for the
-steps of many positions it sends (prompts, a failover's replay, a standby's catch-up: ClientConfig.deflate_bulk).
+`deflate` is lossless, so it is used where the session's codec is "none" and the receiver takes it, for steps of
+many positions: those the client sends (prompts, a failover's replay, a standby's catch-up: ClientConfig.deflate_bulk)
+and those a server pushes on (server.rpc.push.push_codec).
 In a float's top byte sit its sign and its exponent's high bits, which vary little across hidden states (zlib level
 1 shrinks that byte to ~0.44 of itself); the mantissa bytes are noise to any compressor and go as they are, so
 encoding runs at hundreds of MB/s. Its bytes: u32 length L (big-endian) | L bytes of the deflated top bytes | the
