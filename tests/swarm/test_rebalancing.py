@@ -30,15 +30,18 @@ def test_rebalance_moves_server_to_blocks_left_uncovered(tiny_llama_path, tmp_pa
         tail = local.start_server(tiny_llama_path, ["--blocks", "2:4", *SERVER_ARGS, *SPEED], name="tail", wait=False)
         local.wait_ready(head)
         local.wait_ready(tail)
-        # every block has throughput 10: the mover takes the earliest window, and a tie never makes it move
+        # every block has throughput 10: the mover draws one of the two equally weak windows, and a tie never makes
+        # it move
         mover = local.start_server(
             tiny_llama_path, ["--num-blocks", "2", "--balance-period", "1", *SERVER_ARGS, *SPEED], name="mover",
             verbose=True,  # DEBUG: it logs each rebalancing check
         )
-        assert served_ranges(mover) == ["0:2"]
+        first = served_ranges(mover)
+        assert first in (["0:2"], ["2:4"])
+        other, leaving = ("2:4", tail) if first == ["0:2"] else ("0:2", head)
         checks = lambda: sum("rebalance.check" in line for line in list(mover.log))  # noqa: E731
         assert wait_until(lambda: checks() >= 2, timeout=30), mover.tail(60)  # two checks that found no reason to move
-        assert served_ranges(mover) == ["0:2"] and "rebalancing" not in mover.tail(400)
+        assert served_ranges(mover) == first and "rebalancing" not in mover.tail(400)
 
         reference = LlamaForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
         expected = reference.generate(PROMPT, max_new_tokens=10, do_sample=False)
@@ -47,15 +50,16 @@ def test_rebalance_moves_server_to_blocks_left_uncovered(tiny_llama_path, tmp_pa
         try:
             assert torch.equal(model.generate(PROMPT, max_new_tokens=10), expected)
 
-            tail.popen.send_signal(signal.SIGTERM)  # the server alone, not its p2pd: it announces OFFLINE for 2:4
-            tail.popen.wait(timeout=30)
-            assert wait_until(lambda: served_ranges(mover) == ["0:2", "2:4"], timeout=20), mover.tail(60)
-            assert "rebalancing: moving from blocks 0:2 to 2:4" in mover.tail(400)
+            # the server of the other span alone, not its p2pd: it announces OFFLINE for its blocks
+            leaving.popen.send_signal(signal.SIGTERM)
+            leaving.popen.wait(timeout=30)
+            assert wait_until(lambda: served_ranges(mover) == [*first, other], timeout=20), mover.tail(60)
+            assert f"rebalancing: moving from blocks {first[0]} to {other}" in mover.tail(400)
 
             assert torch.equal(model.generate(PROMPT, max_new_tokens=10), expected)  # re-routes by itself
         finally:
             model.shutdown()
-        assert served_ranges(mover) == ["0:2", "2:4"]  # and it stays there
+        assert served_ranges(mover) == [*first, other]  # and it stays there
 
 
 def test_two_servers_started_together_cover_the_whole_model_before_they_load(tmp_path):

@@ -203,3 +203,21 @@ def test_the_load_meter_reports_the_median_recent_decode_step_per_block():
     assert meter.step_seconds() == pytest.approx(0.02)  # median 0.08 s over 4 blocks
     now[0] += 61.0
     assert meter.step_seconds() == 0.0  # older than the window
+
+
+def test_a_joining_server_draws_among_equally_weak_windows_that_tile_the_weak_region():
+    import random
+
+    from corolla.server.presence.block_selection import choose_joining_blocks
+
+    rng = random.Random(0)
+    even = [25.0] * 48  # every block as strong: any of the 12 tiles 0:4, 4:8, ...
+    drawn = {choose_joining_blocks(4, even, rng) for _ in range(200)}
+    assert drawn == {(s, s + 4) for s in range(0, 48, 4)}
+    # a region with no server (blocks 24:48): tiles of it only, never a window over a served block
+    region = [25.0] * 24 + [0.0] * 24
+    drawn = {choose_joining_blocks(4, region, rng) for _ in range(200)}
+    assert drawn == {(s, s + 4) for s in range(24, 48, 4)}
+    # a weakest window strictly better than all others is taken, as choose_best_blocks takes it
+    assert {choose_joining_blocks(2, [10, 10, 0, 0, 10, 10], rng) for _ in range(50)} == {(2, 4)}
+    assert {choose_joining_blocks(2, [5, 0, 0, 5, 0, 0], rng) for _ in range(50)} == {(1, 3)}

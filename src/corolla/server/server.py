@@ -32,7 +32,7 @@ from corolla.server.presence.announcer import Announcer
 from corolla.server.compute.block_stack import BlockStack
 from corolla.server.loading.blocks import default_cache_tokens, default_num_blocks, load_stack
 from corolla.server.presence import rebalancing
-from corolla.server.presence.block_selection import choose_best_blocks, parse_block_range
+from corolla.server.presence.block_selection import choose_joining_blocks, parse_block_range
 from corolla.server.presence.joining import join_with_retries
 from corolla.server.presence.load import LoadMeter
 from corolla.server.cache.allocator import CacheAllocator
@@ -342,11 +342,12 @@ class Server:
         num = self.config.num_blocks or self._default_num_blocks()
         num = min(num, self.num_model_blocks)
         # servers started together must not all read the same view (they would all take the same blocks)
-        await asyncio.sleep(rebalancing.join_delay(random.Random(), self.config.join_delay))
+        rng = random.Random()
+        await asyncio.sleep(rebalancing.join_delay(rng, self.config.join_delay))
         assert self.node is not None
         view = await fetch_block_servers(self.node.dht, self.prefix, range(self.num_model_blocks))
         capacity = rebalancing.swarm_capacity(view, self.node.peer_id)
-        start, end = choose_best_blocks(num, capacity)
+        start, end = choose_joining_blocks(num, capacity, rng)
         logger.info("chose blocks %d:%d (swarm capacity per block: %s)", start, end, [round(c, 1) for c in capacity])
         return start, end
 

@@ -162,7 +162,7 @@ class PetalsPolicy:
     def join_delay(self, rng: random.Random) -> float:
         return rng.uniform(0.0, 2 * JOIN_DELAY_MEAN)
 
-    def choose(self, capacity: Sequence[float], blocks: int) -> tuple[int, int]:
+    def choose(self, capacity: Sequence[float], blocks: int, rng: random.Random) -> tuple[int, int]:
         return choose_window(blocks, capacity)
 
     def settle_delay(self, rng: random.Random) -> float | None:

@@ -22,7 +22,7 @@ from corolla.client.swarm.routing import Span, find_route_in
 from corolla.protocol.messages import ServerInfo
 from corolla.server.config import ServerConfig
 from corolla.server.presence import rebalancing
-from corolla.server.presence.block_selection import choose_best_blocks
+from corolla.server.presence.block_selection import choose_joining_blocks
 from corolla.server.presence.rebalancing import Move
 from corolla.sim.dht import SimDht
 from corolla.sim.step_cost import StepCost
@@ -62,7 +62,7 @@ class Policy(Protocol):
     def announced_throughput(self, cost: StepCost, speed: float, blocks: int) -> float: ...
     def placement_share(self, throughput: float, start: int, end: int) -> float: ...
     def join_delay(self, rng: random.Random) -> float: ...
-    def choose(self, capacity: Sequence[float], blocks: int) -> tuple[int, int]: ...
+    def choose(self, capacity: Sequence[float], blocks: int, rng: random.Random) -> tuple[int, int]: ...
     def settle_delay(self, rng: random.Random) -> float | None: ...
     def settle(self, me: str, current: tuple[int, int], share: float, capacity: Sequence[float],
                joining_here: Sequence[str]) -> tuple[int, int] | None: ...
@@ -111,8 +111,8 @@ class CorollaPolicy:
     def join_delay(self, rng: random.Random) -> float:
         return rebalancing.join_delay(rng, self.server["join_delay"])
 
-    def choose(self, capacity: Sequence[float], blocks: int) -> tuple[int, int]:
-        return choose_best_blocks(blocks, capacity)
+    def choose(self, capacity: Sequence[float], blocks: int, rng: random.Random) -> tuple[int, int]:
+        return choose_joining_blocks(blocks, capacity, rng)
 
     def settle_delay(self, rng: random.Random) -> float | None:
         return rng.uniform(0.0, self.server["settle_delay"])

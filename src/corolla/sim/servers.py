@@ -124,7 +124,7 @@ def _choose(w: World, server: SimServer, epoch: int) -> None:
         server.start, server.end = server.fixed
     else:
         w.dht.read_all(by_server=True)
-        server.start, server.end = w.policy.choose(w.dht.capacity_without(server.id), server.blocks)
+        server.start, server.end = w.policy.choose(w.dht.capacity_without(server.id), server.blocks, w.rng)
     w.fluid.set_server(server.id, server.kind.speed, server.end - server.start)
     epoch = _enter(w, server, "joining")
     delay = None if server.fixed else w.policy.settle_delay(w.rng)
