@@ -164,9 +164,11 @@ class SequenceManager:
         """Seconds a new stream to `peer_id` may take to open: OPEN_TIMEOUT_RTTS of its round trip (the others' median
         if not measured yet), at least OPEN_TIMEOUT_FLOOR, at most `connect_timeout` (also before any is measured). A
         host cut off the network never refuses: every stream to it would wait `connect_timeout` in a failover."""
-        rtt = self.rtts.get(peer_id, statistics.median(self.rtts.values()) if self.rtts else None)
-        if rtt is None:
-            return self.config.connect_timeout
+        rtt = self.rtts.get(peer_id)
+        if rtt is None:  # (the others' median only then: this runs at every stream opened and every stall check)
+            if not self.rtts:
+                return self.config.connect_timeout
+            rtt = statistics.median(self.rtts.values())
         return min(self.config.connect_timeout, max(OPEN_TIMEOUT_FLOOR, OPEN_TIMEOUT_RTTS * rtt))
 
     def info(self, peer_id: str) -> ServerInfo | None:
