@@ -1,6 +1,6 @@
 """The lossless "deflate" codec (protocol.codecs): bit-exact for every float dtype, fewer bytes on hidden states,
 and a frame whose deflated tensor is not what it says is a ProtocolError, never a large allocation; the client uses
-it for its steps of many positions only where the server takes it (client.chain.span_session.bulk_codec)."""
+it for its steps of many positions only where the server takes it (protocol.codecs.bulk_codec)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import zlib
 import pytest
 import torch
 
-from corolla.client.chain.span_session import bulk_codec
+from corolla.client.chain.span_session import bulk_accepted
 from corolla.client.config import ClientConfig
 from corolla.client.swarm.routing import with_codec
-from corolla.protocol.codecs import CODECS, DEFLATE_PREFIX, decode, encode, encoded_bytes
+from corolla.protocol.codecs import CODECS, DEFLATE_PREFIX, bulk_codec, decode, encode, encoded_bytes
 from corolla.protocol.errors import ProtocolError
 from corolla.protocol.framing import decode_frame, encode_frame
 from corolla.protocol.messages import InferenceStep, ServerInfo, ServerState
@@ -111,8 +111,12 @@ def test_a_server_announcing_a_codec_this_version_does_not_know_is_still_seen():
 
 
 def test_the_client_deflates_its_bulk_steps_only_where_the_server_takes_it_and_nothing_is_lost():
-    assert bulk_codec(ClientConfig(), info(CODECS)) == "deflate"
-    assert bulk_codec(ClientConfig(), info(("none",))) == "none"  # a server that predates it
-    assert bulk_codec(ClientConfig(), None) == "none"  # not in the view at hand
-    assert bulk_codec(ClientConfig(deflate_bulk=False), info(CODECS)) == "none"
-    assert bulk_codec(ClientConfig(compression="int8"), info(CODECS)) == "int8"  # already small, and lossy
+    def chosen(config: ClientConfig, server: ServerInfo | None, positions: int = 48) -> str:
+        return bulk_codec(config.compression, positions, bulk_accepted(config, server))
+
+    assert chosen(ClientConfig(), info(CODECS)) == "deflate"
+    assert chosen(ClientConfig(), info(CODECS), positions=1) == "none"  # a decode step: a few KiB either way
+    assert chosen(ClientConfig(), info(("none",))) == "none"  # a server that predates it
+    assert chosen(ClientConfig(), None) == "none"  # not in the view at hand
+    assert chosen(ClientConfig(deflate_bulk=False), info(CODECS)) == "none"
+    assert chosen(ClientConfig(compression="int8"), info(CODECS)) == "int8"  # already small, and lossy

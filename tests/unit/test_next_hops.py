@@ -108,12 +108,9 @@ def test_announced_pings_stay_within_the_records_bounds(monkeypatch):
 
 
 def test_the_next_servers_codecs_are_kept_for_pushes_of_many_positions(monkeypatch):
-    """server.rpc.push.push_codec: a push of many positions goes deflated (lossless) to a next server whose record
+    """protocol.codecs.bulk_codec: a push of many positions goes deflated (lossless) to a next server whose record
     names "deflate"; one position, a lossy session codec, or a server that predates it: the session's codec."""
-    import torch
-
-    from corolla.protocol.codecs import CODECS
-    from corolla.server.rpc.push import push_codec
+    from corolla.protocol.codecs import CODECS, bulk_codec
 
     async def answers(peer):
         return 0.01
@@ -124,10 +121,10 @@ def test_the_next_servers_codecs_are_kept_for_pushes_of_many_positions(monkeypat
     asyncio.run(hops.refresh(4))
     assert "deflate" in hops.codecs_of("new") and hops.codecs_of("old") == ("none",)
     assert hops.codecs_of("elsewhere") == ("none",)  # not a server of the next block
-    prompt, token = torch.zeros(1, 5, 8), torch.zeros(1, 1, 8)
-    assert push_codec("none", prompt, hops.codecs_of("new")) == "deflate"
-    assert push_codec("none", token, hops.codecs_of("new")) == "none"
-    assert push_codec("none", prompt, hops.codecs_of("old")) == "none"
-    assert push_codec("int8", prompt, hops.codecs_of("new")) == "int8"
+    prompt, token = 5, 1  # positions
+    assert bulk_codec("none", prompt, hops.codecs_of("new")) == "deflate"
+    assert bulk_codec("none", token, hops.codecs_of("new")) == "none"
+    assert bulk_codec("none", prompt, hops.codecs_of("old")) == "none"
+    assert bulk_codec("int8", prompt, hops.codecs_of("new")) == "int8"
     asyncio.run(hops.refresh(8))  # the model's last blocks: nobody to push to
     assert hops.codecs_of("new") == ("none",)

@@ -20,7 +20,7 @@ any codec, so decoding gains nothing from them.
 
 `deflate` is lossless, so it is used where the session's codec is "none" and the receiver takes it, for steps of
 many positions: those the client sends (prompts, a failover's replay, a standby's catch-up: ClientConfig.deflate_bulk)
-and those a server pushes on (server.rpc.push.push_codec).
+and those a server pushes on (`bulk_codec`).
 In a float's top byte sit its sign and its exponent's high bits, which vary little across hidden states (zlib level
 1 shrinks that byte to ~0.44 of itself); the mantissa bytes are noise to any compressor and go as they are, so
 encoding runs at hundreds of MB/s. Its bytes: u32 length L (big-endian) | L bytes of the deflated top bytes | the
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Collection
 
 import torch
 from torch import Tensor
@@ -152,6 +153,16 @@ def _inflate(buffer: bytearray, n: int, shape: list[int], dtype: torch.dtype) ->
     rest = torch.frombuffer(buffer, dtype=torch.uint8, offset=DEFLATE_PREFIX + length, count=n * (size - 1))
     values[:, :-1] = rest.reshape(size - 1, n).t()
     return values.reshape(-1).view(dtype).reshape(shape)
+
+
+def bulk_codec(codec: str, positions: int, accepted: Collection[str]) -> str:
+    """How a step of `positions` positions travels in a session whose codec is `codec`, to a receiver that takes the
+    codecs `accepted`: "deflate" for more than one position where the session's codec is "none" and the receiver
+    takes it (lossless: what it decodes, and any receipt of that, is unchanged); else `codec`. The one rule for the
+    client's sends (client.chain.span_session) and a server's pushes (server.rpc.inference)."""
+    if codec == "none" and positions > 1 and "deflate" in accepted:
+        return "deflate"
+    return codec
 
 
 def roundtrip(codec: str, tensor: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ from corolla.client.chain.stall_watch import overdue_after, watched
 from corolla.client.swarm.routing import Span
 from corolla.client.swarm.sequence_manager import SequenceManager
 from corolla.protocol import PROTOCOL_VERSION
+from corolla.protocol.codecs import bulk_codec
 from corolla.protocol.errors import PeerUnavailable
 from corolla.protocol.messages import (BlockRange, CloseSession, InferenceStep, OpenSession, PushRefusal, PushRefused,
                                        PushSet, PushSource, PushTarget, ServerInfo, SessionOpened, SetPush,
@@ -73,7 +74,7 @@ class SpanSession:
         target: PushTarget | None = None,
         secret: str = "",
         codec: str = "none",
-        bulk_codec: str | None = None,
+        accepted: Collection[str] = (),
     ):
         self.span = span
         self.connection = connection
@@ -84,9 +85,9 @@ class SpanSession:
         self.target = target  # where its server pushes
         self.prompts = prompts  # deep prompts of this span's blocks (end - start, P, H), or None
         self.codec = codec  # how the session's hidden states travel (ClientConfig.compression)
-        # how the client's steps of more than one position travel (ClientConfig.deflate_bulk): lossless, so the
-        # server's answers and pushes are what they would be in `codec`
-        self.bulk_codec = codec if bulk_codec is None else bulk_codec
+        # the codecs its server takes, for the client's steps of more than one position (protocol.codecs.bulk_codec;
+        # empty: all in `codec`): its answers and pushes are what they would be in `codec` either way
+        self.accepted = accepted
         self.bytes_sent = 0  # bytes of the steps' frames sent on the stream, as encoded
         self.history: torch.Tensor | None = None  # (B, tokens, H): inputs at positions [0, tokens)
         self.step_id = 0  # the id of the last step sent or pushed to it: its answer carries it
@@ -145,7 +146,7 @@ class SpanSession:
             target,
             secret or new_secret(),
             config.compression,
-            bulk_codec(config, manager.info(span.peer_id)),
+            bulk_accepted(config, manager.info(span.peer_id)),
         )
 
     def hop(self) -> RouteHop:
@@ -201,7 +202,7 @@ class SpanSession:
         self.bytes_sent += await self.connection.send(
             InferenceStep(step_id=self.step_id, position=position, hypo_ids=hypo_ids, push=push, answer=answer),
             tensors,
-            self.bulk_codec if hidden.shape[1] > 1 else self.codec,
+            bulk_codec(self.codec, hidden.shape[1], self.accepted),
         )
         return self.step_id
 
@@ -283,13 +284,11 @@ class SpanSession:
         self.connection.close()
 
 
-def bulk_codec(config: ClientConfig, info: ServerInfo | None) -> str:
-    """How the client's steps of many positions travel to a server announcing `info`: "deflate" (lossless) where
-    the session's codec is "none", the client allows it (ClientConfig.deflate_bulk) and the server takes it; else
-    the session's codec."""
-    if config.compression == "none" and config.deflate_bulk and info is not None and "deflate" in info.codecs:
-        return "deflate"
-    return config.compression
+def bulk_accepted(config: ClientConfig, info: ServerInfo | None) -> tuple[str, ...]:
+    """The codecs the client may send its steps of many positions in to a server announcing `info`
+    (protocol.codecs.bulk_codec chooses): those it announces, none when the client does not allow it
+    (ClientConfig.deflate_bulk) or the server is not in the view at hand."""
+    return info.codecs if info is not None and config.deflate_bulk else ()
 
 
 def new_secret() -> str:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
+from corolla.protocol.codecs import bulk_codec
 from corolla.protocol.framing import read_frame
 from corolla.protocol.messages import (
     CloseSession,
@@ -36,7 +37,7 @@ from corolla.protocol.messages import (
 from corolla.server.compute.planner import plan
 from corolla.server.errors import RequestError
 from corolla.server.rpc.parts import ServerParts
-from corolla.server.rpc.push import LiveSession, outgoing_push, push_codec
+from corolla.server.rpc.push import LiveSession, outgoing_push
 from corolla.server.rpc.sessions import ServerSession
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class InferenceRpc:
             return result
         pushed = output if parts.faults is None else parts.faults.pushed(output)  # corrupt-push: a test's liar
         signed = output if parts.faults is not None and parts.faults.signs_honest_output else pushed
-        codec = push_codec(live.codec, pushed, parts.push_codecs(target.peer_id))
+        codec = bulk_codec(live.codec, pushed.shape[1], parts.push_codecs(target.peer_id))
         push, tensors = outgoing_push(
             parts.key,
             target,

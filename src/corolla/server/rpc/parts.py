@@ -58,7 +58,7 @@ class ServerParts:
     key: PeerKey  # this server's peer-id key: it signs the receipts of its pushes
     first_message_timeout: float  # seconds a new stream may take to say what it wants
     pushes: PushPool | None = None  # streams to next servers, once registered on a P2P node
-    # the codecs a next server announces (server.presence.next_hops; unknown: "none"), for push_codec
+    # the codecs a next server announces (server.presence.next_hops; unknown: "none"), for protocol.codecs.bulk_codec
     push_codecs: Callable[[str], Collection[str]] = lambda peer: ("none",)  # noqa: E731 (an instance attribute)
     shutting_down: bool = False  # new sessions are refused
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -114,15 +114,6 @@ class PushLinks:
             raise RequestError(ErrorCode.BAD_REQUEST, f"push refused: no open session here accepts pushes from {peer} "
                                                       "over this link (its owner did not name it)")
         return live
-
-
-def push_codec(codec: str, hidden: torch.Tensor, target_codecs: Collection[str]) -> str:
-    """How a push of `hidden` (B, T, H) travels in a session whose codec is `codec`: "deflate" (lossless: the
-    receipt and what the next server computes are the same) for a step of many positions when the session's codec
-    is "none" and the next server announces it (ServerInfo.codecs, read by server.presence.next_hops); else `codec`."""
-    if codec == "none" and hidden.shape[1] > 1 and "deflate" in target_codecs:
-        return "deflate"
-    return codec
 
 
 def outgoing_push(key: PeerKey, target: PushTarget, step_id: int, position: int, hypo_ids: list[int] | None,
