@@ -160,9 +160,39 @@ def test_the_watch_runs_while_a_block_has_fewer_than_five_servers_and_pings_thei
 
 def test_of_two_servers_that_chose_the_same_blocks_only_the_larger_peer_id_settles_elsewhere():
     others = [10.0, 10.0, 10.0, 0.0, 0.0, 0.0]  # the other server of 30 tokens/s on 0:3, share 10 per block
-    assert rebalancing.settle_move("B", (0, 3), 10.0, others, joining_here=["A"], quality=0.2) == (3, 6)
-    assert rebalancing.settle_move("A", (0, 3), 10.0, others, joining_here=["B"], quality=0.2) is None
-    assert rebalancing.settle_move("A", (0, 3), 10.0, others, joining_here=[], quality=0.2) == (3, 6)
+    assert rebalancing.settle_move("B", (0, 3), 10.0, others, joining_here={"A": (0, 3, 10.0)}, quality=0.2) == (3, 6)
+    assert rebalancing.settle_move("A", (0, 3), 10.0, others, joining_here={"B": (0, 3, 10.0)}, quality=0.2) is None
+    assert rebalancing.settle_move("A", (0, 3), 10.0, others, joining_here={}, quality=0.2) == (3, 6)
+
+
+def test_a_herd_that_took_the_same_blocks_spreads_in_one_settle_round():
+    # 12 blocks; 0:8 held by one server each (share 10); five servers chose 8:12 on the same stale view
+    online = [10.0] * 8 + [0.0] * 4
+    herd = {peer: (8, 12, 10.0) for peer in "ABCDE"}
+    choices = {}
+    for me in herd:
+        others = {peer: span for peer, span in herd.items() if peer != me}
+        capacity = [c + 10.0 * sum(1 for p in others if 8 <= i < 12) for i, c in enumerate(online)]  # without me
+        target = rebalancing.settle_move(me, (8, 12), 10.0, capacity, others, quality=0.2)
+        choices[me] = target or (8, 12)
+    # A (smallest id) keeps 8:12, B too (as weak as any other window then), C and D go to the weakest windows in
+    # turn, and E, with every block at two servers, keeps its own: 2-3 servers per block (28 server-blocks on 12)
+    assert choices["A"] == choices["B"] == choices["E"] == (8, 12)
+    assert (choices["C"], choices["D"]) == ((0, 4), (4, 8))
+    count = [1] * 8 + [0] * 4  # the ONLINE servers
+    for start, end in choices.values():
+        for i in range(start, end):
+            count[i] += 1
+    assert count == [2] * 8 + [3] * 4
+
+
+def test_a_settling_server_ignores_joiners_with_larger_peer_ids_and_partial_overlaps_count_at_their_blocks():
+    capacity = [10.0, 10.0, 10.0, 10.0, 0.0, 0.0]  # without me: "Z" (larger id) joining 2:4 adds 10 there
+    # "Z" gives way to us, not we to it: we judge our 4:6 against the swarm without it, and keep it
+    assert rebalancing.settle_move("M", (4, 6), 10.0, capacity, {"Z": (2, 4, 10.0)}, quality=0.2) is None
+    # a smaller id on the same blocks placed first: 4:6 then has 10, 2:4 has 0 once Z is left out: we move there
+    assert rebalancing.settle_move("M", (4, 6), 10.0, [10.0, 10.0, 10.0, 10.0, 10.0, 10.0],
+                                   {"A": (4, 6, 10.0), "Z": (2, 4, 10.0)}, quality=0.2) == (2, 4)
 
 
 def test_a_move_onto_a_block_without_server_is_urgent_and_ignores_the_cooldown():

@@ -75,15 +75,17 @@ class Rebalancer:
                 logger.warning("settle: could not read the swarm: %s", e)
                 return
             start, end = current = self._current()
-            joining = sorted({peer for by_peer in view[start:end] for peer, info in by_peer.items()
-                              if peer != me and info.state == ServerState.JOINING})
+            joining = {peer: (info.start_block, info.end_block,
+                              rebalancing.block_share(info.throughput, info.start_block, info.end_block))
+                       for by_peer in view[start:end] for peer, info in by_peer.items()
+                       if peer != me and info.state == ServerState.JOINING}
             capacity = rebalancing.swarm_capacity(view, me)
             target = rebalancing.settle_move(me, current, self._share(), capacity, joining,
                                              self.config.balance_quality)
             if target is None:
                 return
             logger.info("settle: blocks %d:%d are being taken by %s too; taking %d:%d instead",
-                        *current, ",".join(joining) or "others", *target)
+                        *current, ",".join(sorted(joining)) or "others", *target)
             server.start_block, server.end_block = target
             await self.announcer.announce()  # JOINING on the new blocks
 

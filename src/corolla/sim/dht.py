@@ -146,10 +146,10 @@ class SimDht:
         return [s for s, r in self.records.items()
                 if s != server and r.state != ServerState.OFFLINE and thin[r.start : r.end].any()]
 
-    def joining_overlapping(self, server: int, start: int, end: int) -> list[str]:
-        """Peer ids of the other JOINING records overlapping [start, end)."""
-        return [r.peer for s, r in self.records.items()
-                if s != server and r.state == ServerState.JOINING and r.start < end and start < r.end]
+    def joining_overlapping(self, server: int, start: int, end: int) -> dict[str, tuple[int, int, float]]:
+        """The other JOINING records overlapping [start, end): peer id -> (start, end, share)."""
+        return {r.peer: (r.start, r.end, r.share) for s, r in self.records.items()
+                if s != server and r.state == ServerState.JOINING and r.start < end and start < r.end}
 
     def block_servers(self) -> list[dict[str, ServerInfo]]:
         """The view a client reads: per block, peer id -> record."""

@@ -169,7 +169,7 @@ class PetalsPolicy:
         return None  # Petals loads right after choosing
 
     def settle(self, me: str, current: tuple[int, int], share: float, capacity: Sequence[float],
-               joining_here: Sequence[str]) -> tuple[int, int] | None:
+               joining_here: Mapping[str, tuple[int, int, float]]) -> tuple[int, int] | None:
         return None
 
     def watch_period(self, holders: Sequence[int]) -> float | None:

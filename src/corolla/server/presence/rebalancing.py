@@ -11,8 +11,9 @@ A server's life, as these functions decide it:
     join:      wait join_delay (random: servers started together read different views), choose the weakest
                window (block_selection.choose_best_blocks), announce it JOINING at once (others see it taken)
     settle:    before loading, wait a short random delay, re-read, and `settle_move`: move for free (nothing is
-               loaded yet) when should_move says so, unless a JOINING server with a larger peer id shares our
-               blocks (it is the one to give way: two servers that chose the same blocks do not both leave them)
+               loaded yet) when should_move says so; when other JOINING servers share our blocks, they and we
+               place ourselves one after another in peer-id order (the smallest stays), so that a herd that took
+               the same blocks on a lagging view spreads at once and two servers never both leave the same blocks
     watch:     while the last read showed a block with fewer than WATCH_HOLDERS servers (`needs_watch`), re-read
                every watch period and ping the servers of such blocks (`to_check`): a crashed one's record stays
                until it expires, and a block it alone held must not look covered meanwhile; a server silent over
@@ -37,7 +38,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from corolla.protocol.messages import ServerInfo, ServerState
-from corolla.server.presence.block_selection import should_move
+from corolla.server.presence.block_selection import choose_best_blocks, should_move
 
 WATCH_HOLDERS = 5  # a read showing a block with fewer servers than this keeps the watch polling (and pinging them)
 WATCH_READS = 6  # the watch re-reads the swarm every this many watch periods (and whenever a ping fails)
@@ -118,16 +119,48 @@ class Move:
 
 
 def settle_move(me: str, current: tuple[int, int], share: float, capacity: Sequence[float],
-                joining_here: Sequence[str], quality: float) -> tuple[int, int] | None:
+                joining_here: Mapping[str, tuple[int, int, float]], quality: float) -> tuple[int, int] | None:
     """Before loading: the blocks to take instead of `current`, or None to keep them.
 
-    `capacity` is the swarm's without us, `joining_here` the peer ids of other JOINING servers whose blocks overlap
-    ours (they may be deciding right now too). The move is should_move's, taken only when we have the largest peer
-    id among us and them: of two servers that chose the same blocks, one gives way, not both.
-    """
-    if any(peer > me for peer in joining_here):
-        return None
-    return should_move(current, share, with_own(capacity, current, share), quality)
+    `capacity` is the swarm's without us; `joining_here` the other JOINING servers whose blocks overlap ours, peer
+    id -> (start, end, block share): they may be deciding right now too. Alone (none of them), the move is
+    should_move's. Otherwise the servers of a herd (several that read the same lagging view and took the same
+    weakest window) place themselves one after another in peer-id order, each computing the same order:
+
+    - the others' shares are taken off `capacity`; the smallest peer id keeps its blocks;
+    - each next one keeps its blocks if they are still as weak as the weakest window (choose_best_blocks) with
+      the ones before it placed, else takes that window;
+    - we take what this gives us; the servers after us are left out (they place themselves after us).
+
+    So of two servers that chose the same blocks the larger peer id gives way (when there is a window as weak
+    elsewhere), and a herd of k spreads over k windows at once instead of one server per settle round (eight of
+    48 servers took the same four blocks within 11 s at 48 servers on one machine, and moved one at a time).
+    The servers before us are placed by the rule, not by what they did: one that already started loading is
+    taken to have moved when the rule says it should (a rarer, smaller herd than the one avoided)."""
+    if not joining_here:
+        return should_move(current, share, with_own(capacity, current, share), quality)
+    base = list(capacity)
+    for start, end, other in joining_here.values():
+        for i in range(max(0, start), min(end, len(base))):
+            base[i] = max(0.0, base[i] - other)
+    placed = base
+    members = sorted(p for p in joining_here if p < me)
+    for index, peer in enumerate([*members, me]):
+        start, end, own = (*current, share) if peer == me else joining_here[peer]
+        window = (start, end)
+        if index > 0:
+            best = choose_best_blocks(end - start, placed)
+            if _weakness(placed, best) < _weakness(placed, window):
+                window = best
+        placed = with_own(placed, window, own)
+    return None if window == current else window
+
+
+def _weakness(capacity: Sequence[float], window: tuple[int, int]) -> tuple[float, float]:
+    """How weak a window is, as choose_best_blocks ranks windows: its weakest block, then its sum (rounded to
+    absorb float noise)."""
+    values = capacity[window[0] : window[1]]
+    return round(min(values), 9), round(sum(values), 9)
 
 
 def plan_move(current: tuple[int, int], share: float, capacity: Sequence[float], quality: float,
