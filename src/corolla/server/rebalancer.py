@@ -47,7 +47,9 @@ class Rebalancer:
         self.announcer = announcer
         self.worker = worker
         self.config = server.config
-        self.last_move = time.monotonic()
+        # a server that has not moved since it joined may move at its first balance check: the cooldown is against
+        # moving again and again, not against mending a placement chosen on a lagging view
+        self.last_move = float("-inf")
         self.rng = random.Random()
         self.silence = Silence()  # the watch's pings: who counts as gone
 
