@@ -47,9 +47,7 @@ class Rebalancer:
         self.announcer = announcer
         self.worker = worker
         self.config = server.config
-        # a server that has not moved since it joined may move at its first balance check: the cooldown is against
-        # moving again and again, not against mending a placement chosen on a lagging view
-        self.last_move = float("-inf")
+        self.last_move = time.monotonic()
         self.rng = random.Random()
         self.silence = Silence()  # the watch's pings: who counts as gone
 

@@ -47,7 +47,7 @@ class SimServer:
     target: tuple[int, int] | None = None  # blocks it is moving to (while draining)
     epoch: int = 0
     alive: bool = True
-    last_move: float = -math.inf  # never moved: its first balance check may move it (server.rebalancer)
+    last_move: float = 0.0
     moves: int = 0
     settles: int = 0
     watching: bool = False  # its coverage watch is running
