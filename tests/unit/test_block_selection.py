@@ -161,6 +161,19 @@ def test_the_watch_runs_while_a_block_has_fewer_than_five_servers_and_pings_thei
     assert rebalancing.swarm_capacity(view, me="me", gone={"x"})[2:] == [0.0, 0.0]
 
 
+def test_a_watcher_pings_the_thinnest_blocks_servers_first_and_at_most_a_few_the_same_every_round():
+    # 4 holders on each of 12 blocks (48 servers, evenly thin) and one block held by "lone" alone
+    view = [{f"p{4 * b + i}": info(b, b + 1, 10.0) for i in range(4)} for b in range(12)] + [{"lone": info(12, 13, 1.0)}]
+    pinged = {me: rebalancing.to_check(view, me) for me in (f"p{i}" for i in range(48))}
+    assert all(len(peers) == rebalancing.WATCH_PINGS and peers[0] == "lone" for peers in pinged.values())
+    assert all(me not in peers for me, peers in pinged.items())
+    assert pinged["p0"] == rebalancing.to_check(view, "p0")  # the same servers every round
+    # the watchers share the evenly thin ones out: every server is pinged by someone, none by all
+    times = {peer: sum(peer in peers for peers in pinged.values()) for peer in (f"p{i}" for i in range(48))}
+    assert min(times.values()) >= 1 and max(times.values()) < 24
+    assert rebalancing.watch_order("me", {"a": 2, "b": 1, "c": 3}, limit=2) == ["b", "a"]
+
+
 def test_of_two_servers_that_chose_the_same_blocks_only_the_larger_peer_id_settles_elsewhere():
     others = [10.0, 10.0, 10.0, 0.0, 0.0, 0.0]  # the other server of 30 tokens/s on 0:3, share 10 per block
     assert rebalancing.settle_move("B", (0, 3), 10.0, others, joining_here={"A": (0, 3, 10.0)}, quality=0.2) == (3, 6)

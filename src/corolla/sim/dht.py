@@ -139,12 +139,12 @@ class SimDht:
                 capacity[record.start : record.end] -= record.share
         return np.maximum(capacity, 0.0).tolist()
 
-    def thin_holders(self, server: int, watch_holders: int) -> list[int]:
+    def thin_holders(self, server: int, watch_holders: int) -> dict[int, int]:
         """The other servers with a JOINING or ONLINE record on a block that has fewer than `watch_holders` of
-        them (server.presence.rebalancing.to_check)."""
+        them, each with the holders of its thinnest block (server.presence.rebalancing.to_check)."""
         thin = self.holders < watch_holders
-        return [s for s, r in self.records.items()
-                if s != server and r.state != ServerState.OFFLINE and thin[r.start : r.end].any()]
+        return {s: int(self.holders[r.start : r.end].min()) for s, r in self.records.items()
+                if s != server and r.state != ServerState.OFFLINE and thin[r.start : r.end].any()}
 
     def joining_overlapping(self, server: int, start: int, end: int) -> dict[str, tuple[int, int, float]]:
         """The other JOINING records overlapping [start, end): peer id -> (start, end, share)."""

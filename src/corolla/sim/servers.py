@@ -19,7 +19,7 @@ import numpy as np
 
 from corolla.protocol.messages import ServerState
 from corolla.server.cache.queue import CacheRequest, grants, peer_limit
-from corolla.server.presence.rebalancing import WATCH_HOLDERS, WATCH_READS, Move, uncovered, with_own
+from corolla.server.presence.rebalancing import WATCH_HOLDERS, WATCH_READS, Move, uncovered, watch_order, with_own
 from corolla.server.presence.silence import Silence
 from corolla.sim.dht import Record
 from corolla.sim.scenario import SpeedClass
@@ -179,7 +179,8 @@ def _gone(w: World, server: SimServer) -> set[int]:
     """What the watch's pings find: the servers of thinly served blocks that are no longer there, counted as
     server.presence.silence counts them (silent over two rounds `confirm` seconds apart; the simulated pings of a
     live server never miss)."""
-    pinged = w.dht.thin_holders(server.id, WATCH_HOLDERS)
+    thin = w.dht.thin_holders(server.id, WATCH_HOLDERS)
+    pinged = [w.peer_ids[peer] for peer in watch_order(server.peer, {w.servers[s].peer: n for s, n in thin.items()})]
     silent = {s for s in pinged if not w.servers[s].alive}
     return server.silence.round(set(pinged) - silent, silent, w.q.now)
 
