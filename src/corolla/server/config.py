@@ -88,8 +88,8 @@ class ServerConfig:
     )
     watch_period: float = field(
         default=5.0,
-        metadata=_opt("while some block has fewer than 3 servers, how often a server re-reads the swarm to move at "
-                      "once onto a block left with none, seconds"),
+        metadata=_opt("while some block has fewer than 5 servers, how often a server pings up to 8 of their servers "
+                      "(the thinnest blocks' first) to move at once onto a block left with none, seconds"),
     )
     move_stagger: float = field(
         default=10.0,
