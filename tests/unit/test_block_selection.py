@@ -163,7 +163,8 @@ def test_the_watch_runs_while_a_block_has_fewer_than_five_servers_and_pings_thei
 
 def test_a_watcher_pings_the_thinnest_blocks_servers_first_and_at_most_a_few_the_same_every_round():
     # 4 holders on each of 12 blocks (48 servers, evenly thin) and one block held by "lone" alone
-    view = [{f"p{4 * b + i}": info(b, b + 1, 10.0) for i in range(4)} for b in range(12)] + [{"lone": info(12, 13, 1.0)}]
+    view = [{f"p{4 * b + i}": info(b, b + 1, 10.0) for i in range(4)} for b in range(12)]
+    view.append({"lone": info(12, 13, 1.0)})
     pinged = {me: rebalancing.to_check(view, me) for me in (f"p{i}" for i in range(48))}
     assert all(len(peers) == rebalancing.WATCH_PINGS and peers[0] == "lone" for peers in pinged.values())
     assert all(me not in peers for me, peers in pinged.items())
@@ -200,6 +201,13 @@ def test_a_herd_that_took_the_same_blocks_spreads_in_one_settle_round():
         for i in range(start, end):
             count[i] += 1
     assert count == [2] * 8 + [3] * 4
+
+
+def test_a_joining_record_with_a_range_the_model_cannot_hold_is_left_out_of_the_settle():
+    # a hostile or broken JOINING record on our blocks claiming 0:1000 of a 6-block model: no crash, it is ignored
+    capacity = [10.0, 10.0, 10.0, 10.0, 0.0, 0.0]
+    assert rebalancing.settle_move("M", (4, 6), 10.0, capacity, {"A": (0, 1000, 10.0)}, quality=0.2) is None
+    assert rebalancing.settle_move("M", (4, 6), 10.0, capacity, {"A": (5, 3, 10.0)}, quality=0.2) is None
 
 
 def test_a_settling_server_ignores_joiners_with_larger_peer_ids_and_partial_overlaps_count_at_their_blocks():

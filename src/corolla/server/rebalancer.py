@@ -3,8 +3,8 @@
     settle()   before loading: wait a short random delay, re-read the swarm, and take other blocks for free if
                another server took the same ones (`settle_move`); at most MAX_SETTLES times
     run()      the balance check every ~balance_period, and the coverage watch (every watch_period while some
-               block has fewer than 5 servers, pinging up to 8 of their servers; at once when one has none); a positive plan
-               waits a random stagger, re-reads and plans again, then `move()`s
+               block has fewer than 5 servers, pinging up to 8 of their servers; at once when one has none); a
+               positive plan waits a random stagger, re-reads and plans again, then `move()`s
     move()     OFFLINE for the old blocks (no new sessions) and a JOINING record for the target (others see it is
                taken), drain the open sessions for up to drain_timeout (none for an urgent move), then load the
                target through JOINING -> ONLINE again

@@ -157,7 +157,8 @@ def settle_move(me: str, current: tuple[int, int], share: float, capacity: Seque
         for i in range(max(0, start), min(end, len(base))):
             base[i] = max(0.0, base[i] - other)
     placed = base
-    members = sorted(p for p in joining_here if p < me)
+    # a record's range is checked when it is read, but a window this model cannot hold is left out, not trusted
+    members = sorted(p for p, (start, end, _) in joining_here.items() if p < me and 0 <= start < end <= len(base))
     for index, peer in enumerate([*members, me]):
         start, end, own = (*current, share) if peer == me else joining_here[peer]
         window = (start, end)
