@@ -48,15 +48,22 @@ def choose_joining_blocks(num_blocks: int, block_throughputs: Sequence[float], r
     first they took the same blocks from the same stale view (5-6 of 48 servers on 0:4 and on 10:14 while 24:48
     had fewer, at 48 servers on one machine). Drawn among equals, most of them land apart even then."""
     best = choose_best_blocks(num_blocks, block_throughputs)
-
-    def key(start: int) -> tuple[float, float]:
-        window = block_throughputs[start : start + num_blocks]
-        return min(window), sum(window)
-    target = key(best[0])
+    target = weakness(block_throughputs, best)
     tied = [start for start in range(best[0], len(block_throughputs) - num_blocks + 1, num_blocks)
-            if _same(key(start), target)]
+            if _same(weakness(block_throughputs, (start, start + num_blocks)), target)]
     start = rng.choice(tied)
     return start, start + num_blocks
+
+
+def weakness(block_throughputs: Sequence[float], window: tuple[int, int]) -> tuple[float, float]:
+    """How weak a window is, as choose_best_blocks ranks windows: its weakest block, then its sum."""
+    values = block_throughputs[window[0] : window[1]]
+    return min(values), sum(values)
+
+
+def weaker(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether weakness `a` is below `b` by more than float noise."""
+    return a < b and not _same(a, b)
 
 
 def _same(a: tuple[float, float], b: tuple[float, float]) -> bool:

@@ -39,7 +39,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from corolla.protocol.messages import ServerInfo, ServerState
-from corolla.server.presence.block_selection import choose_best_blocks, should_move
+from corolla.server.presence.block_selection import choose_best_blocks, should_move, weaker, weakness
 
 WATCH_HOLDERS = 5  # a read showing a block with fewer servers than this keeps the watch polling (and pinging them)
 WATCH_PINGS = 8  # servers one watcher pings per round at most (`watch_order`)
@@ -164,17 +164,10 @@ def settle_move(me: str, current: tuple[int, int], share: float, capacity: Seque
         window = (start, end)
         if index > 0:
             best = choose_best_blocks(end - start, placed)
-            if _weakness(placed, best) < _weakness(placed, window):
+            if weaker(weakness(placed, best), weakness(placed, window)):
                 window = best
         placed = with_own(placed, window, own)
     return None if window == current else window
-
-
-def _weakness(capacity: Sequence[float], window: tuple[int, int]) -> tuple[float, float]:
-    """How weak a window is, as choose_best_blocks ranks windows: its weakest block, then its sum (rounded to
-    absorb float noise)."""
-    values = capacity[window[0] : window[1]]
-    return round(min(values), 9), round(sum(values), 9)
 
 
 def plan_move(current: tuple[int, int], share: float, capacity: Sequence[float], quality: float,
